@@ -1,0 +1,367 @@
+"""Configuration: one pydantic model per service plus `RunConfig`, which holds them all.
+
+Loaded from TOML files in `configs/` (later files override earlier ones) and overridden from the command
+line with dotted flags (`--trainer.lr 1e-5`, `--coordinator.sync_policy=every_k`). Unknown keys and bad
+values fail at start-up with a `ConfigError` that names the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "StrictModel",
+    "RedisConfig",
+    "BusConfig",
+    "ModelConfig",
+    "TaskConfig",
+    "SamplingConfig",
+    "WireLimits",
+    "SamplerConfig",
+    "CorrectionConfig",
+    "TrainerConfig",
+    "CoordinatorConfig",
+    "RunConfig",
+    "load_config",
+    "parse_overrides",
+]
+
+METHODS = ("naive", "tis", "mis", "center", "ppo", "decoupled_ppo", "m2po", "vcpo", "dlc", "dual")
+Method = Literal["naive", "tis", "mis", "center", "ppo", "decoupled_ppo", "m2po", "vcpo", "dlc", "dual"]
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key and the problem."""
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class RedisConfig(StrictModel):
+    url: str | None = None
+    """redis://host:port/db of an existing server; None starts an embedded redis-server (local launcher)."""
+    data_dir: str | None = None
+    """Folder for the embedded server's append-only file; default `<run_dir>/redis`."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Socket connect timeout."""
+    reconnect_max_s: float = Field(60.0, gt=0)
+    """Give up on a lost Redis after reconnecting with backoff for this long."""
+
+
+class BusConfig(StrictModel):
+    run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Namespace of every stream key: `dlc:<run_id>:<stream>`."""
+    claim_idle_ms: int = Field(60_000, ge=100)
+    """A pending entry idle this long is reclaimed (XAUTOCLAIM) from a consumer presumed dead."""
+    block_ms: int = Field(1000, ge=1)
+    """XREADGROUP block timeout."""
+    max_stream_len: int = Field(100_000, ge=100)
+    """Trim target; trimming never drops entries that are still unacknowledged."""
+    max_queue_depth: int = Field(4096, ge=1)
+    """Backpressure: producers wait while the rollout stream holds more undelivered+pending entries."""
+
+
+class ModelConfig(StrictModel):
+    name_or_path: str = "tiny"
+    """A preset of the tiny-model builder (`tiny`, `small`), a local folder, or a hub model name."""
+    seed: int = Field(0, ge=0)
+    """Seed of the tiny model's random init and warm start."""
+    cache_dir: str = ".cache/models"
+    """Where built tiny models are cached (by a hash of their settings)."""
+    warm_start_steps: int = Field(300, ge=0)
+    """Supervised warm-start steps on the task for a built tiny model."""
+
+
+class TaskConfig(StrictModel):
+    kind: Literal["arithmetic", "reverse", "jsonl"] = "arithmetic"
+    """Task family: synthetic arithmetic (default), string reversal, or a GSM8K-style JSONL file."""
+    difficulty: int = Field(1, ge=1, le=5)
+    """Arithmetic: number of digits / operands grows with difficulty; reverse: string length."""
+    path: str | None = None
+    """JSONL file of {question, answer} for kind = jsonl."""
+    seed: int = Field(0, ge=0)
+    """Seed of the prompt stream (the plan is deterministic given this seed)."""
+    eval_size: int = Field(64, ge=1)
+    """Size of the fixed evaluation prompt set."""
+
+    @model_validator(mode="after")
+    def _jsonl_needs_path(self) -> TaskConfig:
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("task.path is required when task.kind = 'jsonl'")
+        return self
+
+
+class SamplingConfig(StrictModel):
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer applies the same temperature to its logprobs."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling (-1 = off)."""
+    max_tokens: int = Field(16, ge=1)
+    """Maximum response length in tokens."""
+    logprobs_topk: int = Field(20, ge=1, le=64)
+    """K: size of the transmitted top-K of the processed distribution (for score centering)."""
+
+
+class WireLimits(StrictModel):
+    max_prompt_tokens: int = Field(8192, ge=1)
+    """Messages with longer prompts are rejected (dead-lettered)."""
+    max_response_tokens: int = Field(32768, ge=1)
+    """Messages with longer responses are rejected."""
+    max_topk: int = Field(64, ge=1)
+    """Largest accepted K of top-K rows."""
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest accepted encoded message."""
+    vocab_size: int | None = Field(None, ge=1)
+    """When known, token ids must be below it."""
+
+
+class SamplerConfig(StrictModel):
+    sampler_id: str | None = None
+    """Stable id of this sampler; default `<hostname>-<pid>`."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Engine precision (can differ from the trainer's to create a numerical discrepancy)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """vLLM memory fraction (on CPU: the KV cache size fraction)."""
+    max_model_len: int = Field(256, ge=8)
+    """vLLM max model length."""
+    max_inflight_tasks: int = Field(4, ge=1)
+    """Tasks taken from the stream at once (capacity); more are left for other samplers."""
+    weight_transfer: Literal["path", "nccl"] = "path"
+    """How new weights arrive: a published version folder (any node) or vLLM's NCCL transfer (GPU)."""
+    seed: int = Field(0, ge=0)
+    """Base seed; per-request seeds derive from it and the task id."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port (None = off, 0 = pick a free one)."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Heartbeat interval to the coordinator."""
+
+
+class CorrectionConfig(StrictModel):
+    clip: float = Field(2.0, gt=0)
+    """C: truncation of the importance ratio (tis, dlc, decoupled_ppo)."""
+    ppo_eps: float = Field(0.2, gt=0, lt=1)
+    """epsilon of the PPO clip (ppo, decoupled_ppo, dual)."""
+    mis_low: float = Field(0.5, ge=0)
+    """Masked IS: tokens with ratio below this are masked."""
+    mis_high: float = Field(2.0, gt=0)
+    """Masked IS: tokens with ratio above this are masked."""
+    m2po_tau: float = Field(0.04, gt=0)
+    """M2PO: bound on the mean squared log ratio over kept tokens."""
+    dual_tolerance: float = Field(0.01, ge=0)
+    """DC-GRPO tolerance c on the mean |p_train - p_inf|."""
+    dual_lr: float = Field(1.0, ge=0)
+    """DC-GRPO learning rate eta_lambda of the multiplier."""
+    dual_lambda_init: float = Field(0.0, ge=0)
+    """Initial multiplier lambda."""
+    log_ratio_clamp: float = Field(20.0, gt=0)
+    """Log-ratios are clamped to +-this before exp (no input can overflow the loss)."""
+
+    @model_validator(mode="after")
+    def _mis_bounds(self) -> CorrectionConfig:
+        if self.mis_low >= self.mis_high:
+            raise ValueError(f"correction.mis_low ({self.mis_low}) must be < correction.mis_high ({self.mis_high})")
+        return self
+
+
+class TrainerConfig(StrictModel):
+    method: Method = "dlc"
+    """Policy-loss correction, one of: naive tis mis center ppo decoupled_ppo m2po vcpo dlc dual."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max gradient norm."""
+    adv_std_norm: bool = True
+    """GRPO advantage divides by the group std (False: mean-centering only)."""
+    seed: int = Field(0, ge=0)
+    """Torch seed."""
+    device: str = "cpu"
+    """Torch device."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Trainer precision."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Checkpoint every N steps (rollouts are acked only once a checkpoint covers them)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many checkpoints to keep."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port (None = off, 0 = pick a free one)."""
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    """Constants of the corrections."""
+
+
+class CoordinatorConfig(StrictModel):
+    host: str = "127.0.0.1"
+    """gRPC bind host."""
+    port: int = Field(50051, ge=0, le=65535)
+    """gRPC port (0 = pick a free one)."""
+    batch_size: int = Field(8, ge=1)
+    """B: prompt groups per batch."""
+    group_size: int = Field(4, ge=2)
+    """G: samples per prompt (GRPO group)."""
+    max_inflight_batches: int = Field(2, ge=1)
+    """Batches planned ahead of the trainer (bounds staleness in steps)."""
+    total_batches: int | None = Field(None, ge=1)
+    """Stop planning after this many batches (None = unbounded)."""
+    sync_policy: Literal["ess", "every_k", "always", "never"] = "ess"
+    """When the trainer publishes: ess_lag < ess_threshold, every k steps, every step, or never."""
+    ess_threshold: float = Field(0.5, gt=0, le=1)
+    """ESS of the lag ratio below which a sync is requested (policy `ess`)."""
+    sync_every_k: int = Field(4, ge=1)
+    """Interval of policy `every_k`."""
+    sync_ack_timeout_s: float = Field(60.0, gt=0)
+    """A sampler that does not ack a weight update within this is marked unhealthy."""
+    sampler_heartbeat_timeout_s: float = Field(30.0, gt=0)
+    """A sampler with no heartbeat for this long is not live."""
+    auth_token: str | None = None
+    """Shared token required (metadata `authorization: Bearer <token>`) on state-changing calls."""
+    tls_cert: str | None = None
+    """PEM certificate for TLS (with tls_key)."""
+    tls_key: str | None = None
+    """PEM private key for TLS."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port (None = off, 0 = pick a free one)."""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> CoordinatorConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("coordinator.tls_cert and coordinator.tls_key must be set together")
+        return self
+
+
+class RunConfig(StrictModel):
+    run_dir: str = "runs/default"
+    """Folder of this run: logs, metrics.jsonl, checkpoints, published weights, plots."""
+    steps: int = Field(20, ge=1)
+    """Trainer steps (batches) of the run."""
+    num_samplers: int = Field(1, ge=1)
+    """Sampler processes the local launcher starts."""
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    wire: WireLimits = Field(default_factory=WireLimits)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+
+    @property
+    def publish_dir(self) -> Path:
+        """Where the trainer publishes weight versions (shared storage between trainer and samplers)."""
+        return Path(self.run_dir) / "weights"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value as a TOML scalar (numbers, booleans, quoted strings), else a bare string."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn `--a.b 1`, `--a.b=1` and `a.b=1` into a nested dict; raises ConfigError on a dangling flag."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            arg = arg[2:]
+        if "=" in arg:
+            key, raw = arg.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{arg} has no value")
+            key, raw = arg, args[i + 1]
+            i += 1
+        i += 1
+        key = key.replace("-", "_")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key}: {part} is not a section")
+        node[parts[-1]] = _parse_scalar(raw)
+    return out
+
+
+def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if prefix:
+            loc = f"{prefix}.{loc}"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{loc}'")
+        else:
+            lines.append(f"bad value for '{loc}': {e['msg']} (got {e.get('input')!r})")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def build_config(model: type[M], data: dict[str, Any]) -> M:
+    """Validate a dict into `model`, raising ConfigError that names each bad key."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(
+    model: type[M] = RunConfig,  # type: ignore[assignment]
+    paths: list[str | os.PathLike[str]] | tuple[str | os.PathLike[str], ...] = (),
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> M:
+    """Load TOML files in order (later wins), apply dotted overrides, validate strictly."""
+    data: dict[str, Any] = {}
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = _deep_merge(data, tomllib.loads(p.read_text()))
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {p} is not valid TOML: {err}") from None
+    if overrides:
+        extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = _deep_merge(data, extra)
+    return build_config(model, data)
+
+
+def dump_toml(config: BaseModel) -> str:
+    """Resolved config as TOML (None values omitted), for the run folder."""
+    import tomli_w  # dev/runtime dependency, only needed when writing
+
+    def drop_none(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: drop_none(v) for k, v in obj.items() if v is not None}
+        return obj
+
+    return tomli_w.dumps(drop_none(config.model_dump(mode="json")))

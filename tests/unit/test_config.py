@@ -1,0 +1,83 @@
+"""Config loading: every config file in the repo parses; unknown keys and bad values name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from rlcommon.config import ConfigError, RunConfig, TrainerConfig, load_config, parse_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("configs/**/*.toml")), ids=lambda p: p.name)
+def test_every_config_file_parses(path):
+    cfg = load_config(RunConfig, [path])
+    assert isinstance(cfg, RunConfig)
+
+
+def test_there_are_config_files():
+    assert list(REPO.glob("configs/*.toml"))
+
+
+def test_overrides_dotted_and_equals():
+    cfg = load_config(RunConfig, [], ["--trainer.lr", "1e-5", "--coordinator.sync_policy=every_k", "steps=3"])
+    assert cfg.trainer.lr == 1e-5
+    assert cfg.coordinator.sync_policy == "every_k"
+    assert cfg.steps == 3
+
+
+def test_override_none_and_bool():
+    cfg = load_config(RunConfig, [], ["--trainer.adv_std_norm", "false", "--redis.url", "none"])
+    assert cfg.trainer.adv_std_norm is False
+    assert cfg.redis.url is None
+
+
+def test_later_file_wins(tmp_path):
+    a = tmp_path / "a.toml"
+    b = tmp_path / "b.toml"
+    a.write_text("[trainer]\nlr = 0.1\nmethod = 'tis'\n")
+    b.write_text("[trainer]\nlr = 0.2\n")
+    cfg = load_config(RunConfig, [a, b])
+    assert cfg.trainer.lr == 0.2 and cfg.trainer.method == "tis"
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[trainer]\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer.learning_rate'"):
+        load_config(RunConfig, [p])
+
+
+def test_bad_value_is_named():
+    with pytest.raises(ConfigError, match=r"'trainer.method'"):
+        load_config(RunConfig, [], ["--trainer.method", "sgd"])
+    with pytest.raises(ConfigError, match=r"'coordinator.ess_threshold'"):
+        load_config(RunConfig, [], ["--coordinator.ess_threshold", "1.5"])
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="mis_low"):
+        load_config(RunConfig, [], ["--trainer.correction.mis_low", "3"])
+    with pytest.raises(ConfigError, match="tls_key"):
+        load_config(RunConfig, [], ["--coordinator.tls_cert", "x.pem"])
+    with pytest.raises(ConfigError, match="task.path"):
+        load_config(RunConfig, [], ["--task.kind", "jsonl"])
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(RunConfig, [tmp_path / "nope.toml"])
+    p = tmp_path / "broken.toml"
+    p.write_text("[trainer\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(RunConfig, [p])
+
+
+def test_dangling_flag():
+    with pytest.raises(ConfigError, match="no value"):
+        parse_overrides(["--trainer.lr"])
+
+
+def test_service_section_alone():
+    cfg = load_config(TrainerConfig, [], {"method": "dual", "correction": {"dual_tolerance": 0.05}})
+    assert cfg.correction.dual_tolerance == 0.05
