@@ -334,12 +334,44 @@ def build_config(model: type[M], data: dict[str, Any]) -> M:
         raise ConfigError(_format_validation_error(err)) from None
 
 
+ENV_PREFIX = "DLC_"
+
+
+def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, Any]:
+    """Overrides from the environment: `DLC_TRAINER__LR=1e-5` sets trainer.lr (`__` separates sections).
+
+    This is how docker compose configures the services; the local launcher sets the same variables.
+    Variables of other tools that merely start with `DLC_` and have no `__` (e.g. DLC_TOKEN) are ignored.
+    """
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if "__" not in key and key not in _TOP_LEVEL_ENV:
+            continue
+        key = key.replace("__", ".")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_scalar(raw)
+    return out
+
+
+_TOP_LEVEL_ENV = {"run_dir", "steps", "num_samplers"}
+
+
 def load_config(
     model: type[M] = RunConfig,  # type: ignore[assignment]
     paths: list[str | os.PathLike[str]] | tuple[str | os.PathLike[str], ...] = (),
     overrides: list[str] | dict[str, Any] | None = None,
+    *,
+    use_env: bool = False,
 ) -> M:
-    """Load TOML files in order (later wins), apply dotted overrides, validate strictly."""
+    """Load TOML files in order (later wins), then `DLC_*` environment overrides (if `use_env`), then
+    dotted command-line overrides; validate strictly."""
     data: dict[str, Any] = {}
     for path in paths:
         p = Path(path)
@@ -349,6 +381,8 @@ def load_config(
             data = _deep_merge(data, tomllib.loads(p.read_text()))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {p} is not valid TOML: {err}") from None
+    if use_env:
+        data = _deep_merge(data, env_overrides())
     if overrides:
         extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = _deep_merge(data, extra)

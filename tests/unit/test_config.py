@@ -81,3 +81,21 @@ def test_dangling_flag():
 def test_service_section_alone():
     cfg = load_config(TrainerConfig, [], {"method": "dual", "correction": {"dual_tolerance": 0.05}})
     assert cfg.correction.dual_tolerance == 0.05
+
+
+def test_env_overrides_apply_between_files_and_flags(monkeypatch):
+    monkeypatch.setenv("DLC_TRAINER__LR", "0.25")
+    monkeypatch.setenv("DLC_REDIS__URL", "redis://redis:6379/0")
+    monkeypatch.setenv("DLC_STEPS", "7")
+    monkeypatch.setenv("DLC_TOKEN", "secret")  # a client variable, not config: ignored
+    cfg = load_config(RunConfig, [], ["--steps", "9"], use_env=True)
+    assert cfg.trainer.lr == 0.25
+    assert cfg.redis.url == "redis://redis:6379/0"
+    assert cfg.steps == 9
+    assert load_config(RunConfig, []).trainer.lr != 0.25  # env is opt-in
+
+
+def test_bad_env_value_is_named(monkeypatch):
+    monkeypatch.setenv("DLC_TRAINER__METHOD", "adam")
+    with pytest.raises(ConfigError, match="'trainer.method'"):
+        load_config(RunConfig, [], use_env=True)

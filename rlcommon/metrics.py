@@ -1,0 +1,120 @@
+"""One place for metrics: JSONL lines, TensorBoard scalars and Prometheus gauges.
+
+Services call `sink.log(step, {...})` once per step (trainer) or `sink.gauge(name, value)` for live
+values; nothing else in a service prints metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_GAUGES: dict[str, Any] = {}  # one Prometheus gauge per full name per process (the registry is global)
+_GAUGES_LOCK = threading.Lock()
+
+
+def start_metrics_server(port: int | None) -> int | None:
+    """Serve Prometheus metrics on `port` (0 = a free one); returns the bound port, None when off."""
+    if port is None:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr="0.0.0.0")
+    bound = server.server_address[1]
+    logger.info("prometheus metrics on :%d/metrics", bound)
+    return bound
+
+
+def _prom_name(service: str, key: str) -> str:
+    clean = "".join(ch if ch.isalnum() else "_" for ch in key)
+    return f"dlc_{service}_{clean}"
+
+
+class MetricsSink:
+    """Writes per-step metrics to `<dir>/metrics.jsonl`, TensorBoard (optional) and Prometheus gauges."""
+
+    def __init__(
+        self,
+        *,
+        service: str,
+        jsonl_path: str | Path | None = None,
+        tensorboard_dir: str | Path | None = None,
+    ) -> None:
+        self.service = service
+        self._jsonl = None
+        if jsonl_path is not None:
+            path = Path(jsonl_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+            except ImportError as err:  # tensorboard is optional outside the trainer
+                logger.warning("TensorBoard disabled: %s", err)
+
+    def gauge(self, name: str, value: float, help_text: str = "") -> None:
+        """Set a Prometheus gauge `dlc_<service>_<name>`."""
+        from prometheus_client import Gauge
+
+        full = _prom_name(self.service, name)
+        with _GAUGES_LOCK:
+            g = _GAUGES.get(full)
+            if g is None:
+                g = Gauge(full, help_text or name)
+                _GAUGES[full] = g
+        g.set(value)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Record one step: a JSONL line with every value, TB scalars and gauges for the numeric ones."""
+        record = {"step": step, **values}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                continue
+            if self._tb is not None:
+                self._tb.add_scalar(f"{self.service}/{key}", value, step)
+            self.gauge(key, float(value))
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Read a metrics.jsonl file, skipping a torn last line."""
+    rows = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

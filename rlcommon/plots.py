@@ -1,0 +1,64 @@
+"""PNG plots of a run: reward, ess_lag (with the 0.5 line and sync markers), staleness, response length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            xs.append(int(row["step"]))
+            ys.append(float(value))
+    return xs, ys
+
+
+def plot_run(
+    *,
+    rows: list[dict[str, Any]],
+    syncs: list[dict[str, Any]],
+    out_dir: str | Path,
+    ess_threshold: float = 0.5,
+) -> list[Path]:
+    """Write reward.png, ess_lag.png, staleness.png and response_length.png; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sync_steps = [int(s["step"]) for s in syncs if s.get("step") is not None]
+    written: list[Path] = []
+
+    def figure(name: str, title: str, ylabel: str, curves: list[tuple[str, str]], hline: float | None = None):
+        fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+        for key, label in curves:
+            xs, ys = _series(rows, key)
+            if xs:
+                ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        if hline is not None:
+            ax.axhline(hline, color="red", linestyle="--", linewidth=1, label=f"threshold {hline:g}")
+        for i, step in enumerate(sync_steps):
+            ax.axvline(step, color="gray", linestyle=":", linewidth=1, label="weight sync" if i == 0 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+
+    figure("reward", "Mean reward per step", "reward", [("reward_mean", "reward")])
+    figure("ess_lag", "ESS of the lag ratio", "ess", [("ess_lag", "ess_lag"), ("ess_full", "ess_full")], ess_threshold)
+    figure("staleness", "Staleness (trainer version - rollout version)", "versions",
+           [("staleness_mean", "mean"), ("staleness_max", "max")])
+    figure("response_length", "Mean response length", "tokens", [("response_length", "response length")])
+    return written
