@@ -206,6 +206,8 @@ class CoordinatorConfig(StrictModel):
     """gRPC bind host."""
     port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0 = pick a free one)."""
+    address: str | None = None
+    """Address the trainer and samplers dial (e.g. `coordinator:50051`); default `<host>:<port>`."""
     batch_size: int = Field(8, ge=1)
     """B: prompt groups per batch."""
     group_size: int = Field(4, ge=2)
@@ -232,6 +234,14 @@ class CoordinatorConfig(StrictModel):
     """PEM private key for TLS."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port (None = off, 0 = pick a free one)."""
+
+    @property
+    def dial_address(self) -> str:
+        """Where clients connect: `address`, else host:port (0.0.0.0 dialed as 127.0.0.1)."""
+        if self.address:
+            return self.address
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
 
     @model_validator(mode="after")
     def _tls_pair(self) -> CoordinatorConfig:
@@ -349,8 +359,8 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
         if not name.startswith(ENV_PREFIX):
             continue
         key = name[len(ENV_PREFIX):].lower()
-        if "__" not in key and key not in _TOP_LEVEL_ENV:
-            continue
+        if ("__" not in key and key not in _TOP_LEVEL_ENV) or raw == "":
+            continue  # not a config variable, or set empty (compose's `${VAR:-}`): leave the default
         key = key.replace("__", ".")
         node = out
         parts = key.split(".")
