@@ -1,0 +1,594 @@
+"""Wire format of the bus: Task, Rollout and WeightUpdate as msgpack (DESIGN section 3).
+
+Every message is a msgpack map holding `v` (the schema version), `type` (`task`, `rollout` or
+`weight_update`) and the message's fields. Arrays travel as `{"dtype": "<i4"|"<f4", "shape": [...],
+"data": <raw little-endian bytes>}`, never as per-element lists.
+
+`decode` validates everything and raises `WireError(field, reason)`, and nothing else, for any input
+(garbage, truncated, oversize, wrong types, missing or extra fields, unknown schema version,
+inconsistent arrays, out-of-range ids or logprobs). The bus dead-letters a message that fails it.
+
+Validation rules beyond types (see `validate`):
+- prompt_ids: 1..limits.max_prompt_tokens tokens; response_ids: 1..limits.max_response_tokens tokens;
+  sampler_logprobs has the response's length; topk_ids and topk_logprobs are [T, K], 1 <= K <= max_topk.
+- token ids are >= 0 and < limits.vocab_size when it is set; a top-K row holds no id twice and holds
+  the sampled token, whose top-K logprob is finite.
+- logprobs are <= LOGPROB_TOLERANCE (1e-6, float error; clamping is the sampler's job); sampler_logprobs
+  are finite; topk_logprobs may be -inf (a token masked by top-k/top-p has probability 0 in the
+  processed distribution), never NaN or +inf.
+- versions, ids, indices and counts are non-negative ints (bools and floats are rejected) below 2**63;
+  top_k >= -1; group_size >= 1; temperature > 0; 0 < top_p <= 1; floats finite; id strings 1..256
+  characters; sha256 is 64 lowercase hex characters.
+
+Decoded arrays are read-only numpy views of the input bytes (decode copies nothing large).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from rlcommon.config import WireLimits
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "LOGPROB_TOLERANCE",
+    "WireError",
+    "Task",
+    "Rollout",
+    "WeightUpdate",
+    "Message",
+    "encode",
+    "decode",
+    "validate",
+]
+
+SCHEMA_VERSION = 1
+LOGPROB_TOLERANCE = 1e-6
+"""Largest accepted logprob (a logprob is <= 0 up to float error)."""
+MAX_ID_CHARS = 256
+"""Longest accepted id string (task_id, rollout_id, sampler_id, payload keys)."""
+MAX_TEXT_CHARS = 65_536
+"""Longest accepted free-text string (payload values, paths, reasons)."""
+MAX_DICT_ITEMS = 256
+"""Most entries in `payload` / `timings`."""
+_MAX_INT = 2**63 - 1
+_DEFAULT_LIMITS = WireLimits()
+
+
+class WireError(ValueError):
+    """A message failed to encode or decode; `field` names the offending field, `reason` says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.field, self.reason))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Task:
+    """One prompt group to sample: G = group_size samples of prompt_ids, scored with payload."""
+
+    task_id: str
+    batch_id: int
+    group_id: int
+    prompt_ids: np.ndarray
+    group_size: int
+    payload: dict[str, str | int | float]
+    weight_version_hint: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Rollout:
+    """One sample of a prompt group, generated entirely by weight_version."""
+
+    rollout_id: str
+    batch_id: int
+    group_id: int
+    sample_index: int
+    weight_version: int
+    sampler_id: str
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    sampler_logprobs: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    reward: float
+    finish_reason: str
+    temperature: float
+    top_p: float
+    top_k: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WeightUpdate:
+    """Notice that weight_version is published at path (sha256 of its files' manifest)."""
+
+    weight_version: int
+    path: str
+    sha256: str
+    step: int
+    reason: str
+
+
+Message = Task | Rollout | WeightUpdate
+
+# Field kinds: "id" (short non-empty str), "text" (str), "uint" (int >= 0), "top_k" (int >= -1),
+# "float" (finite), "i4"/"f4" + ndim (arrays), "payload", "timings".
+_FIELDS: dict[type, dict[str, tuple[str, int]]] = {
+    Task: {
+        "task_id": ("id", 0),
+        "batch_id": ("uint", 0),
+        "group_id": ("uint", 0),
+        "prompt_ids": ("<i4", 1),
+        "group_size": ("uint", 0),
+        "payload": ("payload", 0),
+        "weight_version_hint": ("uint", 0),
+    },
+    Rollout: {
+        "rollout_id": ("id", 0),
+        "batch_id": ("uint", 0),
+        "group_id": ("uint", 0),
+        "sample_index": ("uint", 0),
+        "weight_version": ("uint", 0),
+        "sampler_id": ("id", 0),
+        "prompt_ids": ("<i4", 1),
+        "response_ids": ("<i4", 1),
+        "sampler_logprobs": ("<f4", 1),
+        "topk_ids": ("<i4", 2),
+        "topk_logprobs": ("<f4", 2),
+        "reward": ("float", 0),
+        "finish_reason": ("id", 0),
+        "temperature": ("float", 0),
+        "top_p": ("float", 0),
+        "top_k": ("top_k", 0),
+        "timings": ("timings", 0),
+    },
+    WeightUpdate: {
+        "weight_version": ("uint", 0),
+        "path": ("text", 0),
+        "sha256": ("id", 0),
+        "step": ("uint", 0),
+        "reason": ("text", 0),
+    },
+}
+_TYPE_TAGS: dict[type, str] = {Task: "task", Rollout: "rollout", WeightUpdate: "weight_update"}
+_TAG_TYPES: dict[str, type] = {tag: cls for cls, tag in _TYPE_TAGS.items()}
+_ARRAY_KEYS = frozenset(("dtype", "shape", "data"))
+
+
+# ----------------------------------------------------------------------------------------------- encode
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a message to msgpack bytes; raises WireError when a field has the wrong type.
+
+    Types and array dtypes are checked here (int arrays must hold integers that fit int32); the
+    semantic checks run in `decode` (call `validate` to run them on the producer side too).
+    """
+    spec = _FIELDS.get(type(msg))
+    if spec is None:
+        raise WireError("type", f"cannot encode {type(msg).__name__}; expected Task, Rollout or WeightUpdate")
+    body: dict[str, Any] = {"v": SCHEMA_VERSION, "type": _TYPE_TAGS[type(msg)]}
+    for name, (kind, ndim) in spec.items():
+        body[name] = _encode_field(name, getattr(msg, name), kind, ndim)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _encode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
+    if kind in ("<i4", "<f4"):
+        arr = _to_wire_array(name, value, kind, ndim)
+        return {"dtype": kind, "shape": list(arr.shape), "data": arr.data}  # packed as raw bytes, no copy
+    if kind in ("uint", "top_k"):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise WireError(name, f"expected an int, got {type(value).__name__}")
+        return int(value)
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+            raise WireError(name, f"expected a float, got {type(value).__name__}")
+        return float(value)
+    if kind in ("id", "text"):
+        if not isinstance(value, str):
+            raise WireError(name, f"expected a str, got {type(value).__name__}")
+        return value
+    if not isinstance(value, dict):
+        raise WireError(name, f"expected a dict, got {type(value).__name__}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise WireError(name, f"keys must be str, got {type(key).__name__}")
+        if kind == "timings":
+            out[key] = _encode_field(f"{name}.{key}", item, "float", 0)
+        elif isinstance(item, str):
+            out[key] = item
+        else:
+            kind_of_item = "float" if isinstance(item, float | np.floating) else "uint"
+            out[key] = _encode_field(f"{name}.{key}", item, kind_of_item, 0)
+    return out
+
+
+def _to_wire_array(name: str, value: Any, dtype: str, ndim: int) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:
+        raise WireError(name, f"not an array ({exc})") from None
+    if arr.ndim != ndim:
+        raise WireError(name, f"expected a {ndim}-d array, got shape {arr.shape}")
+    if arr.size and dtype == "<i4":
+        if arr.dtype.kind not in "iu":
+            raise WireError(name, f"expected integer token ids, got dtype {arr.dtype}")
+        if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:
+            low, high = int(arr.min()), int(arr.max())
+            if low < -(2**31) or high >= 2**31:
+                raise WireError(name, f"values {low}..{high} do not fit int32")
+    elif arr.size and arr.dtype.kind not in "fiu":
+        raise WireError(name, f"expected float logprobs, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------- msgpack reader
+# decode reads msgpack itself: msgpack.unpackb copies every bin into a new bytes object, and for
+# ~170 KB rollouts those fresh pages cost more than all of the validation. This reader returns bins
+# as zero-copy memoryviews of the input (arrays are np.frombuffer views of it) and otherwise follows
+# msgpack.unpackb(raw=False): strings must be UTF-8, ext types and the unused byte 0xc1 are rejected,
+# nesting is bounded, trailing bytes are an error. A test checks it against msgpack.unpackb.
+
+_MAX_DEPTH = 16
+_BE = {fmt: struct.Struct(">" + fmt).unpack_from for fmt in "BHIQbhiqfd"}
+_FIXED = {  # type byte -> (unpack_from, size) of fixed-size scalars
+    0xCA: (_BE["f"], 4), 0xCB: (_BE["d"], 8),
+    0xCC: (_BE["B"], 1), 0xCD: (_BE["H"], 2), 0xCE: (_BE["I"], 4), 0xCF: (_BE["Q"], 8),
+    0xD0: (_BE["b"], 1), 0xD1: (_BE["h"], 2), 0xD2: (_BE["i"], 4), 0xD3: (_BE["q"], 8),
+}  # fmt: skip
+_SIZED = {  # type byte -> (kind, unpack_from of the length, its size)
+    0xC4: ("bin", _BE["B"], 1), 0xC5: ("bin", _BE["H"], 2), 0xC6: ("bin", _BE["I"], 4),
+    0xD9: ("str", _BE["B"], 1), 0xDA: ("str", _BE["H"], 2), 0xDB: ("str", _BE["I"], 4),
+    0xDC: ("array", _BE["H"], 2), 0xDD: ("array", _BE["I"], 4),
+    0xDE: ("map", _BE["H"], 2), 0xDF: ("map", _BE["I"], 4),
+}  # fmt: skip
+_CONSTANTS = {0xC0: None, 0xC2: False, 0xC3: True}
+
+
+def _truncated() -> WireError:
+    return WireError("message", "not valid msgpack: truncated")
+
+
+def _unpack(data: bytes) -> Any:
+    buf = memoryview(data)
+    obj, pos = _read(buf, 0, len(buf), 0)
+    if pos != len(buf):
+        raise WireError("message", f"not valid msgpack: {len(buf) - pos} bytes after the message")
+    return obj
+
+
+def _read(buf: memoryview, pos: int, end: int, depth: int) -> tuple[Any, int]:
+    """One msgpack object at buf[pos:end] -> (object, position after it)."""
+    if pos >= end:
+        raise _truncated()
+    byte = buf[pos]
+    pos += 1
+    if byte < 0x80:  # positive fixint
+        return byte, pos
+    if byte >= 0xE0:  # negative fixint
+        return byte - 0x100, pos
+    if 0xA0 <= byte <= 0xBF:  # fixstr
+        stop = pos + (byte & 0x1F)
+        if stop > end:
+            raise _truncated()
+        return str(buf[pos:stop], "utf-8"), stop
+    if byte <= 0x8F:
+        kind, length = "map", byte & 0x0F
+    elif byte <= 0x9F:
+        kind, length = "array", byte & 0x0F
+    elif byte in _CONSTANTS:
+        return _CONSTANTS[byte], pos
+    elif byte in _FIXED:
+        unpack, size = _FIXED[byte]
+        if pos + size > end:
+            raise _truncated()
+        return unpack(buf, pos)[0], pos + size
+    elif byte in _SIZED:
+        kind, unpack, size = _SIZED[byte]
+        if pos + size > end:
+            raise _truncated()
+        length = unpack(buf, pos)[0]
+        pos += size
+    else:
+        raise WireError(
+            "message", f"not valid msgpack here: type byte {byte:#04x} (ext types are not allowed)"
+        )
+    if kind == "bin" or kind == "str":
+        stop = pos + length
+        if stop > end:
+            raise _truncated()
+        return (buf[pos:stop] if kind == "bin" else str(buf[pos:stop], "utf-8")), stop
+    if depth >= _MAX_DEPTH:
+        raise WireError("message", f"nested deeper than {_MAX_DEPTH}")
+    if length > end - pos:  # every element takes at least one byte
+        raise _truncated()
+    if kind == "array":
+        items = []
+        for _ in range(length):
+            item, pos = _read(buf, pos, end, depth + 1)
+            items.append(item)
+        return items, pos
+    mapping = {}
+    for _ in range(length):
+        if pos < end and 0xA0 <= buf[pos] <= 0xBF:  # fixstr key, inlined: the common case
+            stop = pos + 1 + (buf[pos] & 0x1F)
+            if stop > end:
+                raise _truncated()
+            key = str(buf[pos + 1 : stop], "utf-8")
+            pos = stop
+        else:
+            key, pos = _read(buf, pos, end, depth + 1)
+            if not isinstance(key, str):
+                raise WireError("message", f"map keys must be strings, got {type(key).__name__}")
+        mapping[key], pos = _read(buf, pos, end, depth + 1)
+    return mapping, pos
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    expected: type | None = None,
+    limits: WireLimits | None = None,
+) -> Message:
+    """Parse and validate one message; raises WireError (and nothing else) on any bad input.
+
+    The message's arrays are read-only int32/float32 views of `data` (copy one to modify it).
+
+    expected: Task, Rollout or WeightUpdate to reject messages of another type; None accepts any.
+    limits: size bounds and the vocabulary size (default: WireLimits()).
+    """
+    if expected is not None and expected not in _FIELDS:
+        raise TypeError(f"expected must be Task, Rollout, WeightUpdate or None, got {expected!r}")
+    limits = limits if limits is not None else _DEFAULT_LIMITS
+    try:
+        msg = _decode_unchecked(data, expected=expected, limits=limits)
+        _check_semantics(msg, limits)
+        return msg
+    except WireError:
+        raise
+    except Exception as exc:  # contract: any surprise in parsing untrusted bytes becomes a WireError
+        raise WireError("message", f"undecodable ({type(exc).__name__}: {exc})") from exc
+
+
+def _decode_unchecked(data: Any, *, expected: type | None, limits: WireLimits) -> Message:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise WireError("message", f"expected bytes, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:
+        raise WireError(
+            "message", f"{len(data)} bytes exceeds limits.max_message_bytes={limits.max_message_bytes}"
+        )
+    body = _unpack(data if isinstance(data, bytes) else bytes(data))
+    if not isinstance(body, dict):
+        raise WireError("message", f"expected a msgpack map, got {type(body).__name__}")
+    version = body.get("v")
+    if version is None:
+        raise WireError("v", "missing schema version")
+    if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
+        raise WireError("v", f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
+    tag = body.get("type")
+    cls = _TAG_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise WireError("type", f"unknown message type {tag!r}; expected one of {sorted(_TAG_TYPES)}")
+    if expected is not None and cls is not expected:
+        raise WireError("type", f"expected a {_TYPE_TAGS[expected]} message, got {tag!r}")
+    spec = _FIELDS[cls]
+    missing = [name for name in spec if name not in body]
+    if missing:
+        raise WireError(missing[0], "missing field")
+    extra = sorted(str(key) for key in body if key not in spec and key not in ("v", "type"))
+    if extra:
+        raise WireError(extra[0] or "message", f"unknown field {extra[0]!r} in a {tag} message")
+    return cls(**{name: _decode_field(name, body[name], kind, ndim) for name, (kind, ndim) in spec.items()})
+
+
+def _decode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
+    if kind in ("<i4", "<f4"):
+        return _decode_array(name, value, kind, ndim)
+    if kind == "uint":
+        return _check_int(name, value, low=0)
+    if kind == "top_k":
+        return _check_int(name, value, low=-1)
+    if kind == "float":
+        return _check_float(name, value)
+    if kind == "id":
+        return _check_str(name, value, min_chars=1, max_chars=MAX_ID_CHARS)
+    if kind == "text":
+        return _check_str(name, value, min_chars=0, max_chars=MAX_TEXT_CHARS)
+    if not isinstance(value, dict):
+        raise WireError(name, f"expected a map, got {type(value).__name__}")
+    if len(value) > MAX_DICT_ITEMS:
+        raise WireError(name, f"{len(value)} entries exceeds {MAX_DICT_ITEMS}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        key = _check_str(f"{name} key", key, min_chars=1, max_chars=MAX_ID_CHARS)
+        where = f"{name}.{key}"
+        if kind == "timings":
+            out[key] = _check_float(where, item)
+        elif isinstance(item, str):
+            out[key] = _check_str(where, item, min_chars=0, max_chars=MAX_TEXT_CHARS)
+        elif isinstance(item, float):
+            out[key] = _check_float(where, item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            out[key] = _check_int(where, item, low=-_MAX_INT)
+        else:
+            raise WireError(where, f"expected a str, int or float, got {type(item).__name__}")
+    return out
+
+
+def _check_int(name: str, value: Any, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(name, f"expected an int, got {type(value).__name__}")
+    if value < low or value > _MAX_INT:
+        raise WireError(name, f"{value} is out of range [{low}, 2**63-1]")
+    return value
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise WireError(name, f"expected a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise WireError(name, f"{value} is not finite")
+    return value
+
+
+def _check_str(name: str, value: Any, *, min_chars: int, max_chars: int) -> str:
+    if not isinstance(value, str):
+        raise WireError(name, f"expected a str, got {type(value).__name__}")
+    if not min_chars <= len(value) <= max_chars:
+        raise WireError(name, f"length {len(value)} is outside [{min_chars}, {max_chars}]")
+    return value
+
+
+def _decode_array(name: str, value: Any, dtype: str, ndim: int) -> np.ndarray:
+    if not isinstance(value, dict):
+        raise WireError(name, f"expected an array map {{dtype, shape, data}}, got {type(value).__name__}")
+    if value.keys() != _ARRAY_KEYS:
+        raise WireError(
+            name, f"array map must have exactly the keys dtype, shape, data; got {sorted(map(str, value))}"
+        )
+    if value["dtype"] != dtype:
+        raise WireError(f"{name}.dtype", f"expected {dtype!r}, got {value['dtype']!r}")
+    shape = value["shape"]
+    if not isinstance(shape, list) or len(shape) != ndim:
+        raise WireError(f"{name}.shape", f"expected a list of {ndim} dims, got {shape!r}")
+    for dim in shape:
+        _check_int(f"{name}.shape", dim, low=0)
+    raw = value["data"]
+    if not isinstance(raw, memoryview):  # msgpack bin, read without copying (see _unpack)
+        raise WireError(f"{name}.data", f"expected raw bytes (msgpack bin), got {type(raw).__name__}")
+    needed = math.prod(shape) * 4
+    if len(raw) != needed:
+        raise WireError(f"{name}.data", f"{len(raw)} bytes, but shape {shape} of {dtype} needs {needed}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------- validate
+
+
+def validate(msg: Message, *, limits: WireLimits | None = None) -> None:
+    """Run decode's checks on a message built in memory (producer side); raises WireError.
+
+    Arrays may be any numeric array-likes; they are checked as they would be encoded (int32/float32).
+    """
+    spec = _FIELDS.get(type(msg))
+    if spec is None:
+        raise WireError(
+            "type", f"cannot validate {type(msg).__name__}; expected Task, Rollout or WeightUpdate"
+        )
+    values: dict[str, Any] = {}
+    for name, (kind, ndim) in spec.items():
+        value = _encode_field(name, getattr(msg, name), kind, ndim)
+        if kind in ("<i4", "<f4"):
+            values[name] = np.frombuffer(bytes(value["data"]), dtype=kind).reshape(value["shape"])
+        else:
+            values[name] = _decode_field(name, value, kind, ndim)
+    _check_semantics(type(msg)(**values), limits if limits is not None else _DEFAULT_LIMITS)
+
+
+def _check_semantics(msg: Message, limits: WireLimits) -> None:
+    """Cross-field and range checks of a message whose fields already have the right types."""
+    if isinstance(msg, Rollout):
+        _validate_rollout(msg, limits)
+    elif isinstance(msg, Task):
+        _check_len("prompt_ids", msg.prompt_ids, 1, limits.max_prompt_tokens, "limits.max_prompt_tokens")
+        _check_ids("prompt_ids", msg.prompt_ids, limits.vocab_size)
+        if msg.group_size < 1:
+            raise WireError("group_size", f"must be >= 1, got {msg.group_size}")
+    else:
+        if not msg.path:
+            raise WireError("path", "must not be empty")
+        if len(msg.sha256) != 64 or any(c not in "0123456789abcdef" for c in msg.sha256):
+            raise WireError("sha256", f"expected 64 lowercase hex characters, got {msg.sha256!r}")
+
+
+def _validate_rollout(msg: Rollout, limits: WireLimits) -> None:
+    _check_len("prompt_ids", msg.prompt_ids, 1, limits.max_prompt_tokens, "limits.max_prompt_tokens")
+    num_tokens = _check_len(
+        "response_ids", msg.response_ids, 1, limits.max_response_tokens, "limits.max_response_tokens"
+    )
+    if msg.sampler_logprobs.shape != (num_tokens,):
+        raise WireError(
+            "sampler_logprobs", f"shape {msg.sampler_logprobs.shape} != response length ({num_tokens},)"
+        )
+    if msg.topk_ids.ndim != 2 or msg.topk_ids.shape[0] != num_tokens:
+        raise WireError(
+            "topk_ids", f"shape {msg.topk_ids.shape} does not have one row per response token ({num_tokens})"
+        )
+    k = msg.topk_ids.shape[1]
+    if not 1 <= k <= limits.max_topk:
+        raise WireError("topk_ids", f"K = {k} is outside [1, limits.max_topk={limits.max_topk}]")
+    if msg.topk_logprobs.shape != msg.topk_ids.shape:
+        raise WireError(
+            "topk_logprobs", f"shape {msg.topk_logprobs.shape} != topk_ids shape {msg.topk_ids.shape}"
+        )
+    for name in ("prompt_ids", "response_ids", "topk_ids"):
+        _check_ids(name, getattr(msg, name), limits.vocab_size)
+    _check_logprobs("sampler_logprobs", msg.sampler_logprobs, allow_neg_inf=False)
+    _check_logprobs("topk_logprobs", msg.topk_logprobs, allow_neg_inf=True)
+    if k > 1:
+        rows = np.sort(msg.topk_ids, axis=1)
+        dup = rows[:, 1:] == rows[:, :-1]
+        if dup.any():
+            raise WireError("topk_ids", f"row {int(np.argmax(dup.any(axis=1)))} holds a token id twice")
+    # Rows hold distinct ids, so each row matches the sampled token at most once.
+    hits = msg.topk_ids == msg.response_ids[:, None]
+    if np.count_nonzero(hits) != num_tokens:
+        t = int(np.argmin(hits.any(axis=1)))
+        raise WireError("topk_ids", f"row {t} does not contain the sampled token {int(msg.response_ids[t])}")
+    if float(msg.topk_logprobs.min()) == -math.inf and not np.isfinite(msg.topk_logprobs[hits]).all():
+        t = int(np.argmin(np.isfinite(msg.topk_logprobs[hits])))
+        raise WireError("topk_logprobs", f"row {t}: the sampled token has logprob -inf")
+    if msg.temperature <= 0:
+        raise WireError("temperature", f"must be > 0, got {msg.temperature}")
+    if not 0 < msg.top_p <= 1:
+        raise WireError("top_p", f"must be in (0, 1], got {msg.top_p}")
+
+
+def _check_len(name: str, arr: np.ndarray, low: int, high: int, limit_name: str) -> int:
+    n = int(arr.shape[0])
+    if n < low:
+        raise WireError(name, f"has {n} tokens, needs at least {low}")
+    if n > high:
+        raise WireError(name, f"has {n} tokens, exceeds {limit_name}={high}")
+    return n
+
+
+def _check_ids(name: str, arr: np.ndarray, vocab_size: int | None) -> None:
+    if not arr.size:
+        return
+    low = int(arr.min())
+    if low < 0:
+        raise WireError(name, f"token id {low} is negative")
+    if vocab_size is not None:
+        high = int(arr.max())
+        if high >= vocab_size:
+            raise WireError(name, f"token id {high} is >= limits.vocab_size={vocab_size}")
+
+
+def _check_logprobs(name: str, arr: np.ndarray, *, allow_neg_inf: bool) -> None:
+    if not arr.size:
+        return
+    high = float(arr.max())  # NaN propagates through max
+    if math.isnan(high):
+        raise WireError(name, "contains NaN")
+    if high > LOGPROB_TOLERANCE:
+        raise WireError(name, f"logprob {high} is > 0 (tolerance {LOGPROB_TOLERANCE})")
+    if not allow_neg_inf and float(arr.min()) == -math.inf:
+        raise WireError(name, "contains -inf (the sampled token must have non-zero probability)")

@@ -1,0 +1,78 @@
+"""Embedded redis-server: starts on a free port, persists with AOF across restarts, fails clearly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from rlcommon.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
+
+
+def test_find_redis_server_is_executable():
+    path = find_redis_server()
+    assert os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def test_session_server_answers_with_aof(redis_server, redis_url):
+    client = redis.Redis.from_url(redis_url)
+    assert client.ping()
+    assert client.config_get("appendonly") == {"appendonly": "yes"}
+    assert client.config_get("save") == {"save": ""}
+    assert client.config_get("dir")["dir"] == str(redis_server.data_dir)
+    assert redis_server.url == f"redis://127.0.0.1:{redis_server.port}/0"
+    client.close()
+
+
+def test_redis_url_fixture_gives_an_empty_db(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    assert client.dbsize() == 0
+    client.set("left-behind", "1")  # the next test's redis_url must not see it
+    client.close()
+
+
+def test_redis_url_fixture_gives_an_empty_db_again(redis_url):
+    assert redis.Redis.from_url(redis_url).dbsize() == 0
+
+
+def test_restart_on_same_port_recovers_data(tmp_path):
+    server = EmbeddedRedis(tmp_path / "data")
+    with server:
+        port = server.port
+        client = redis.Redis.from_url(server.url)
+        client.xadd("s", {b"d": b"payload"})
+        client.close()
+    assert not server.running
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)).ping()
+    with server:
+        assert server.port == port
+        client = redis.Redis.from_url(server.url)
+        assert [fields for _, fields in client.xrange("s")] == [{b"d": b"payload"}]
+        client.close()
+    assert (tmp_path / "data" / "redis-server.log").is_file()
+
+
+def test_port_taken_fails_with_log_tail(redis_server, tmp_path):
+    with pytest.raises(EmbeddedRedisError) as info:
+        EmbeddedRedis(tmp_path, port=redis_server.port, start_timeout_s=5).start()
+    message = str(info.value)
+    assert str(redis_server.port) in message
+    assert "log tail" in message and "Address already in use" in message
+
+
+def test_bad_executable_fails_clearly(tmp_path):
+    script = tmp_path / "fake-redis"
+    script.write_text("#!/bin/sh\necho 'cannot start: broken build' >&2\nexit 3\n")
+    script.chmod(0o755)
+    with pytest.raises(EmbeddedRedisError) as info:
+        EmbeddedRedis(tmp_path / "d", executable=str(script), start_timeout_s=5).start()
+    assert "failed to start" in str(info.value) and "cannot start: broken build" in str(info.value)
+
+
+def test_port_before_start_is_an_error(tmp_path):
+    with pytest.raises(EmbeddedRedisError):
+        _ = EmbeddedRedis(tmp_path).port

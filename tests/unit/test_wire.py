@@ -1,0 +1,469 @@
+"""Wire format: round trips, raw-bytes arrays, and every validation rule naming its field."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+
+from rlcommon.config import WireLimits
+from rlcommon.wire import (
+    LOGPROB_TOLERANCE,
+    SCHEMA_VERSION,
+    Rollout,
+    Task,
+    WeightUpdate,
+    WireError,
+    decode,
+    encode,
+    validate,
+)
+
+SHA = "ab" * 32
+
+
+def make_rollout(*, num_tokens: int = 5, k: int = 3, **overrides) -> Rollout:
+    response = np.arange(10, 10 + num_tokens, dtype=np.int32)
+    topk = (response[:, None] + np.arange(k, dtype=np.int32) * 100).astype(
+        np.int32
+    )  # sampled token in column 0
+    fields = dict(
+        rollout_id="r-1",
+        batch_id=2,
+        group_id=3,
+        sample_index=1,
+        weight_version=4,
+        sampler_id="sampler-a",
+        prompt_ids=np.array([1, 2, 3], dtype=np.int32),
+        response_ids=response,
+        sampler_logprobs=-np.linspace(0.1, 1.0, num_tokens, dtype=np.float32),
+        topk_ids=topk,
+        topk_logprobs=-np.linspace(0.1, 3.0, num_tokens * k, dtype=np.float32).reshape(num_tokens, k),
+        reward=1.0,
+        finish_reason="stop",
+        temperature=0.7,
+        top_p=0.9,
+        top_k=-1,
+        timings={"generate_s": 0.25, "queue_s": 0.01},
+    )
+    fields.update(overrides)
+    return Rollout(**fields)
+
+
+def make_task(**overrides) -> Task:
+    fields = dict(
+        task_id="t-1",
+        batch_id=0,
+        group_id=5,
+        prompt_ids=np.array([4, 5, 6], dtype=np.int32),
+        group_size=4,
+        payload={"answer": "12", "kind": "arithmetic", "difficulty": 2, "scale": 0.5},
+    )
+    fields.update(overrides)
+    return Task(**fields)
+
+
+def make_update(**overrides) -> WeightUpdate:
+    fields = dict(weight_version=3, path="/runs/x/weights/v000003", sha256=SHA, step=7, reason="ess")
+    fields.update(overrides)
+    return WeightUpdate(**fields)
+
+
+def wire_dict(msg) -> dict:
+    return msgpack.unpackb(encode(msg), raw=False)
+
+
+def repack(body: dict) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def array_field(values, dtype: str) -> dict:
+    arr = np.asarray(values, dtype=dtype)
+    return {"dtype": dtype, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def expect_error(data: bytes, field: str, *, limits: WireLimits | None = None, expected=None) -> WireError:
+    with pytest.raises(WireError) as info:
+        decode(data, limits=limits, expected=expected)
+    assert info.value.field == field, str(info.value)
+    assert str(info.value).startswith(f"{field}: ")
+    return info.value
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+def assert_same(a, b) -> None:
+    assert type(a) is type(b)
+    for name in a.__dataclass_fields__:
+        left, right = getattr(a, name), getattr(b, name)
+        if isinstance(left, np.ndarray):
+            assert right.dtype == np.dtype(left.dtype.newbyteorder("<")), name
+            np.testing.assert_array_equal(left, right, err_msg=name)
+        else:
+            assert left == right, name
+
+
+@pytest.mark.parametrize(
+    "msg", [make_rollout(), make_task(), make_update()], ids=["rollout", "task", "update"]
+)
+def test_round_trip(msg):
+    out = decode(encode(msg))
+    assert_same(msg, out)
+
+
+def test_decoded_arrays_are_int32_float32():
+    out = decode(encode(make_rollout()), expected=Rollout)
+    assert out.response_ids.dtype == np.int32 and out.topk_ids.dtype == np.int32
+    assert out.sampler_logprobs.dtype == np.float32 and out.topk_logprobs.dtype == np.float32
+    assert out.topk_ids.shape == (5, 3)
+
+
+def test_arrays_travel_as_raw_little_endian_bytes():
+    body = wire_dict(make_rollout(num_tokens=7, k=4))
+    assert body["v"] == SCHEMA_VERSION and body["type"] == "rollout"
+    topk = body["topk_ids"]
+    assert topk["dtype"] == "<i4" and topk["shape"] == [7, 4]
+    assert isinstance(topk["data"], bytes) and len(topk["data"]) == 7 * 4 * 4
+    assert (
+        body["sampler_logprobs"]["data"]
+        == make_rollout(num_tokens=7, k=4).sampler_logprobs.astype("<f4").tobytes()
+    )
+
+
+def test_encode_converts_lists_and_wider_dtypes():
+    msg = make_rollout(prompt_ids=[1, 2, 3], response_ids=np.arange(10, 15, dtype=np.int64))
+    out = decode(encode(msg))
+    assert out.prompt_ids.dtype == np.int32
+    assert out.response_ids.tolist() == [10, 11, 12, 13, 14]
+
+
+def test_realistic_rollout_size():
+    num_tokens, k = 1024, 20
+    rng = np.random.default_rng(0)
+    response = rng.integers(0, 30_000, num_tokens).astype(np.int32)
+    msg = make_rollout(
+        num_tokens=num_tokens,
+        response_ids=response,
+        topk_ids=((response[:, None] + np.arange(k) * 7) % 32_000).astype(np.int32),
+        sampler_logprobs=-rng.random(num_tokens).astype(np.float32),
+        topk_logprobs=-rng.random((num_tokens, k)).astype(np.float32),
+    )
+    data = encode(msg)
+    # 2 * T*K*4 + 2 * T*4 + P*4 bytes of arrays plus a few hundred bytes of fields.
+    assert 2 * num_tokens * k * 4 < len(data) < 2 * num_tokens * k * 4 + 2 * num_tokens * 4 + 1024
+    assert decode(data, limits=WireLimits(vocab_size=32_000)).response_ids.shape == (num_tokens,)
+
+
+def test_payload_and_timings_types_survive():
+    out = decode(encode(make_task()))
+    assert out.payload == {"answer": "12", "kind": "arithmetic", "difficulty": 2, "scale": 0.5}
+    assert isinstance(out.payload["difficulty"], int) and isinstance(out.payload["scale"], float)
+
+
+def test_wire_error_is_value_error_and_picklable():
+    err = WireError("topk_ids", "row 3 is bad")
+    assert isinstance(err, ValueError)
+    assert str(err) == "topk_ids: row 3 is bad"
+    copy = pickle.loads(pickle.dumps(err))
+    assert (copy.field, copy.reason) == ("topk_ids", "row 3 is bad")
+
+
+# ---------------------------------------------------------------------------------------- bad envelopes
+
+
+def test_garbage_and_truncated_bytes():
+    expect_error(b"\xc1\xc1\xc1", "message")
+    expect_error(b"", "message")
+    data = encode(make_rollout())
+    for cut in (1, len(data) // 2, len(data) - 1):
+        expect_error(data[:cut], "message")
+    expect_error(data + b"\x00", "message")  # trailing bytes
+
+
+def test_not_bytes():
+    expect_error("a string", "message")  # type: ignore[arg-type]
+
+
+def test_not_a_map():
+    expect_error(msgpack.packb([1, 2, 3]), "message")
+
+
+def test_oversize_message():
+    data = encode(make_rollout(num_tokens=300, k=3))
+    err = expect_error(data, "message", limits=WireLimits(max_message_bytes=1024))
+    assert "max_message_bytes" in err.reason
+
+
+def test_schema_version():
+    body = wire_dict(make_task())
+    del body["v"]
+    assert "missing" in expect_error(repack(body), "v").reason
+    for bad in (2, 0, "1", True, 1.0):
+        body["v"] = bad
+        expect_error(repack(body), "v")
+
+
+def test_type_tag_and_expected():
+    body = wire_dict(make_task())
+    body["type"] = "banana"
+    expect_error(repack(body), "type")
+    body["type"] = 3
+    expect_error(repack(body), "type")
+    err = expect_error(encode(make_task()), "type", expected=Rollout)
+    assert "expected a rollout" in err.reason
+
+
+def test_expected_must_be_a_message_class():
+    with pytest.raises(TypeError):
+        decode(encode(make_task()), expected=dict)
+
+
+def test_missing_and_extra_fields():
+    body = wire_dict(make_rollout())
+    del body["sampler_logprobs"]
+    assert expect_error(repack(body), "sampler_logprobs").reason == "missing field"
+    body = wire_dict(make_rollout())
+    body["surprise"] = 1
+    assert "unknown field" in expect_error(repack(body), "surprise").reason
+
+
+def test_ext_types_rejected():
+    body = wire_dict(make_task())
+    body["task_id"] = msgpack.ExtType(5, b"xx")
+    expect_error(repack(body), "message")
+
+
+# --------------------------------------------------------------------------------------------- scalars
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("batch_id", -1),
+        ("batch_id", True),
+        ("batch_id", 1.0),
+        ("batch_id", "1"),
+        ("batch_id", None),
+        ("weight_version", 2**64 - 1),
+        ("sample_index", False),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("reward", "1.0"),
+        ("reward", True),
+        ("reward", float("nan")),
+        ("reward", float("inf")),
+        ("temperature", 0.0),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("rollout_id", ""),
+        ("rollout_id", 17),
+        ("rollout_id", "x" * 300),
+        ("sampler_id", b"bytes-not-str"),
+        ("finish_reason", None),
+    ],
+)
+def test_bad_rollout_scalars(field, value):
+    body = wire_dict(make_rollout())
+    body[field] = value
+    expect_error(repack(body), field)
+
+
+def test_float_fields_accept_ints():
+    body = wire_dict(make_rollout())
+    body["reward"] = 1
+    assert decode(repack(body)).reward == 1.0
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ({"generate_s": "slow"}, "timings.generate_s"),
+        ({"generate_s": float("nan")}, "timings.generate_s"),
+        ({"": 1.0}, "timings key"),
+        ({1: 1.0}, "message"),  # non-str map keys are not valid msgpack for this schema
+        ([1.0], "timings"),
+    ],
+)
+def test_bad_timings(value, field):
+    body = wire_dict(make_rollout())
+    body["timings"] = value
+    expect_error(repack(body), field)
+
+
+def test_bad_payload_values():
+    body = wire_dict(make_task())
+    body["payload"] = {"answer": [1, 2]}
+    expect_error(repack(body), "payload.answer")
+    body["payload"] = {"answer": None}
+    expect_error(repack(body), "payload.answer")
+    body["payload"] = {f"k{i}": i for i in range(300)}
+    expect_error(repack(body), "payload")
+
+
+def test_task_rules():
+    body = wire_dict(make_task())
+    body["group_size"] = 0
+    expect_error(repack(body), "group_size")
+    body = wire_dict(make_task())
+    body["prompt_ids"] = array_field([], "<i4")
+    assert "at least 1" in expect_error(repack(body), "prompt_ids").reason
+    expect_error(
+        encode(make_task(prompt_ids=np.array([1, 99], dtype=np.int32))),
+        "prompt_ids",
+        limits=WireLimits(vocab_size=50),
+    )
+
+
+def test_weight_update_rules():
+    expect_error(encode(make_update(sha256="AB" * 32)), "sha256")
+    expect_error(encode(make_update(sha256="ab" * 31)), "sha256")
+    expect_error(encode(make_update(path="")), "path")
+    expect_error(encode(make_update(weight_version=-1)), "weight_version")
+
+
+# ---------------------------------------------------------------------------------------------- arrays
+
+
+@pytest.mark.parametrize(
+    ("field", "mutate", "error_field"),
+    [
+        ("response_ids", lambda a: {**a, "dtype": "<i8"}, "response_ids.dtype"),
+        ("response_ids", lambda a: {**a, "dtype": ">i4"}, "response_ids.dtype"),
+        ("sampler_logprobs", lambda a: {**a, "dtype": "<f8"}, "sampler_logprobs.dtype"),
+        ("response_ids", lambda a: {**a, "shape": [5, 1]}, "response_ids.shape"),
+        ("response_ids", lambda a: {**a, "shape": [-5]}, "response_ids.shape"),
+        ("response_ids", lambda a: {**a, "shape": [True]}, "response_ids.shape"),
+        ("response_ids", lambda a: {**a, "shape": "5"}, "response_ids.shape"),
+        ("response_ids", lambda a: {**a, "data": a["data"][:-1]}, "response_ids.data"),
+        ("response_ids", lambda a: {**a, "data": a["data"] + b"\0\0\0\0"}, "response_ids.data"),
+        ("response_ids", lambda a: {**a, "data": list(a["data"])}, "response_ids.data"),
+        ("topk_ids", lambda a: {**a, "shape": [2**40, 2**40]}, "topk_ids.data"),
+        ("topk_ids", lambda a: {k: v for k, v in a.items() if k != "shape"}, "topk_ids"),
+        ("topk_ids", lambda a: {**a, "extra": 1}, "topk_ids"),
+        ("topk_ids", lambda a: [10, 11], "topk_ids"),
+    ],
+)
+def test_bad_array_encodings(field, mutate, error_field):
+    body = wire_dict(make_rollout())
+    body[field] = mutate(body[field])
+    expect_error(repack(body), error_field)
+
+
+def test_length_mismatches():
+    base = make_rollout(num_tokens=5, k=3)
+    expect_error(encode(make_rollout(sampler_logprobs=base.sampler_logprobs[:4])), "sampler_logprobs")
+    expect_error(
+        encode(make_rollout(topk_ids=base.topk_ids[:4], topk_logprobs=base.topk_logprobs[:4])), "topk_ids"
+    )
+    expect_error(encode(make_rollout(topk_logprobs=base.topk_logprobs[:, :2])), "topk_logprobs")
+    expect_error(
+        encode(
+            make_rollout(
+                response_ids=np.zeros(0, np.int32),
+                sampler_logprobs=np.zeros(0, np.float32),
+                topk_ids=np.zeros((0, 3), np.int32),
+                topk_logprobs=np.zeros((0, 3), np.float32),
+            )
+        ),
+        "response_ids",
+    )
+
+
+def test_size_limits():
+    limits = WireLimits(max_prompt_tokens=2, max_response_tokens=4, max_topk=2)
+    expect_error(encode(make_rollout(num_tokens=2, k=2)), "prompt_ids", limits=limits)  # prompt has 3 tokens
+    short_prompt = np.array([1], dtype=np.int32)
+    expect_error(
+        encode(make_rollout(num_tokens=5, k=2, prompt_ids=short_prompt)), "response_ids", limits=limits
+    )
+    err = expect_error(
+        encode(make_rollout(num_tokens=2, k=3, prompt_ids=short_prompt)), "topk_ids", limits=limits
+    )
+    assert "max_topk" in err.reason
+    assert decode(encode(make_rollout(num_tokens=4, k=2, prompt_ids=short_prompt)), limits=limits)
+
+
+def test_token_ids_non_negative_and_below_vocab():
+    msg = make_rollout()
+    prompt = msg.prompt_ids.copy()
+    prompt[1] = -3
+    assert "negative" in expect_error(encode(make_rollout(prompt_ids=prompt)), "prompt_ids").reason
+    limits = WireLimits(vocab_size=300)  # topk ids reach 10 + 4 + 200 = 214, response ids 14
+    assert decode(encode(msg), limits=limits)
+    assert "vocab_size" in expect_error(encode(msg), "topk_ids", limits=WireLimits(vocab_size=100)).reason
+    expect_error(encode(msg), "response_ids", limits=WireLimits(vocab_size=12))
+
+
+def test_sampled_token_must_be_in_its_topk_row():
+    msg = make_rollout()
+    topk = msg.topk_ids.copy()
+    topk[2, 0] = 999
+    err = expect_error(encode(make_rollout(topk_ids=topk)), "topk_ids")
+    assert "row 2" in err.reason and "sampled token 12" in err.reason
+
+
+def test_topk_row_ids_distinct():
+    msg = make_rollout()
+    topk = msg.topk_ids.copy()
+    topk[1, 2] = topk[1, 1]
+    assert "row 1" in expect_error(encode(make_rollout(topk_ids=topk)), "topk_ids").reason
+
+
+def test_sampler_logprob_rules():
+    msg = make_rollout()
+    for bad in (0.01, float("nan"), float("inf"), float("-inf")):
+        values = msg.sampler_logprobs.copy()
+        values[3] = bad
+        expect_error(encode(make_rollout(sampler_logprobs=values)), "sampler_logprobs")
+    values = msg.sampler_logprobs.copy()
+    values[3] = LOGPROB_TOLERANCE / 2  # float error around 0 is accepted
+    assert decode(encode(make_rollout(sampler_logprobs=values)))
+
+
+def test_topk_logprob_rules():
+    msg = make_rollout()
+    for bad in (0.5, float("nan"), float("inf")):
+        values = msg.topk_logprobs.copy()
+        values[1, 2] = bad
+        expect_error(encode(make_rollout(topk_logprobs=values)), "topk_logprobs")
+    values = msg.topk_logprobs.copy()
+    values[1, 2] = -math.inf  # a token masked by top-k/top-p sampling: allowed
+    assert decode(encode(make_rollout(topk_logprobs=values))).topk_logprobs[1, 2] == -math.inf
+    values[1, 0] = -math.inf  # ...but not for the sampled token
+    assert "row 1" in expect_error(encode(make_rollout(topk_logprobs=values)), "topk_logprobs").reason
+
+
+# ---------------------------------------------------------------------------------------------- encode
+
+
+def test_encode_rejects_wrong_types():
+    with pytest.raises(WireError) as info:
+        encode(make_rollout(response_ids=np.array([0.5, 1.5])))
+    assert info.value.field == "response_ids"
+    with pytest.raises(WireError) as info:
+        encode(make_rollout(prompt_ids=np.array([2**40])))
+    assert info.value.field == "prompt_ids"
+    with pytest.raises(WireError) as info:
+        encode(make_rollout(batch_id=True))
+    assert info.value.field == "batch_id"
+    with pytest.raises(WireError) as info:
+        encode(make_rollout(topk_ids=[[1, 2], [3]]))
+    assert info.value.field == "topk_ids"
+    with pytest.raises(WireError) as info:
+        encode({"type": "task"})  # type: ignore[arg-type]
+    assert info.value.field == "type"
+
+
+def test_validate_on_the_producer_side():
+    validate(make_rollout(prompt_ids=[1, 2]))
+    with pytest.raises(WireError) as info:
+        validate(make_rollout(batch_id=-1))
+    assert info.value.field == "batch_id"
+    with pytest.raises(WireError) as info:
+        validate(make_rollout(reward=float("nan")))
+    assert info.value.field == "reward"
