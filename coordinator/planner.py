@@ -1,0 +1,377 @@
+"""The batch plan and its ledger: which prompt groups form batch k, decided before any of them is sampled.
+
+Batch k is B prompt groups x G samples; group g of batch k is problem number `k * B + g` of the task
+source, so the plan is a pure function of (task settings, B, k) and a restarted coordinator re-creates
+nothing. Outcomes (rewards, lengths, timings) never change a plan. The planner keeps at most
+`max_inflight_batches` batches planned ahead of the trainer: batch k is planned once batches
+0..k - max_inflight_batches are trained.
+
+Ledger of each batch: PLANNED (its tasks are on the tasks stream) -> COMPLETE (the trainer has all B x G
+rollouts) -> TRAINED (the trainer reported the step that trained it).
+
+Writing a batch's tasks survives a crash at any point: the ledger record is saved with the stream's last
+entry id (`stream_mark`) before the tasks are sent and flagged `tasks_written` after; on start, a batch
+still unflagged gets only the tasks that are not after the mark yet (the coordinator is the only writer of
+the tasks stream, and writes one batch at a time, in group order).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BATCH_STATUSES",
+    "PlanError",
+    "GroupPlan",
+    "BatchRecord",
+    "BatchCounts",
+    "BatchLedger",
+    "TaskWriter",
+    "BatchPlanner",
+    "task_id_of",
+]
+
+BATCH_STATUSES = ("planned", "complete", "trained")
+
+
+class PlanError(RuntimeError):
+    """The task source or tokenizer cannot produce a valid task (a configuration problem)."""
+
+
+def task_id_of(batch_id: int, group_id: int) -> str:
+    """Id of the Task of group `group_id` of batch `batch_id` (stable across restarts)."""
+    return f"b{batch_id}-g{group_id}"
+
+
+@dataclass
+class GroupPlan:
+    """One prompt group of a batch: one Task message, sampled G times."""
+
+    group_id: int
+    task_id: str
+    prompt_index: int
+    prompt: str
+    num_prompt_tokens: int
+    payload: dict[str, str]
+
+
+@dataclass
+class BatchRecord:
+    """Plan and ledger entry of one batch (persisted as JSON by `coordinator.state`)."""
+
+    batch_id: int
+    status: str
+    group_size: int
+    groups: list[GroupPlan]
+    planned_at: float
+    weight_version_hint: int = 0
+    complete_at: float = 0.0
+    trained_at: float = 0.0
+    trained_step: int = -1
+    tasks_written: bool = False
+    stream_mark: str = ""
+    """Last entry id of the tasks stream just before this batch's tasks were sent."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BatchRecord:
+        data = dict(data)
+        data["groups"] = [GroupPlan(**g) for g in data["groups"]]
+        record = cls(**data)
+        assert record.status in BATCH_STATUSES, record.status
+        return record
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    planned: int
+    complete: int
+    trained: int
+    total: int
+    trained_through: int
+    """Highest k such that batches 0..k are trained; -1 before the first."""
+    limit: int
+    """total_batches, 0 = unbounded."""
+
+
+class BatchLedger:
+    """Every planned batch by id, with its status transitions. Persists through `save` on each change."""
+
+    def __init__(self, records: Iterable[BatchRecord] = (), *, save: Callable[[BatchRecord], None]) -> None:
+        self._records: dict[int, BatchRecord] = {r.batch_id: r for r in records}
+        self._save = save
+        ids = sorted(self._records)
+        if ids != list(range(len(ids))):
+            raise PlanError(
+                f"persisted batch plan has gaps: batch ids {ids[:10]}...; the run's state is corrupt"
+            )
+        self._trained_through = -1
+        self._advance_trained_through()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, batch_id: int) -> bool:
+        return batch_id in self._records
+
+    def get(self, batch_id: int) -> BatchRecord:
+        return self._records[batch_id]
+
+    def records(
+        self, *, start: int = 0, status: str | None = None, limit: int | None = None
+    ) -> list[BatchRecord]:
+        out = []
+        for batch_id in range(max(start, 0), len(self._records)):
+            record = self._records[batch_id]
+            if status is None or record.status == status:
+                out.append(record)
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
+    @property
+    def trained_through(self) -> int:
+        return self._trained_through
+
+    @property
+    def num_trained_contiguous(self) -> int:
+        return self._trained_through + 1
+
+    def add(self, record: BatchRecord) -> None:
+        assert record.batch_id == len(self._records), (record.batch_id, len(self._records))
+        self._records[record.batch_id] = record
+        self._save(record)
+
+    def update(self, record: BatchRecord) -> None:
+        assert self._records.get(record.batch_id) is record
+        self._save(record)
+
+    def mark_complete(self, batch_id: int, *, now: float) -> BatchRecord:
+        record = self._records[batch_id]
+        if record.status == "planned":
+            record.status = "complete"
+            record.complete_at = now
+            self._save(record)
+        return record
+
+    def mark_trained(self, batch_id: int, *, step: int, now: float) -> BatchRecord:
+        record = self._records[batch_id]
+        if record.status != "trained":
+            if not record.complete_at:
+                record.complete_at = now
+            record.status = "trained"
+            record.trained_at = now
+            record.trained_step = step
+            self._save(record)
+            self._advance_trained_through()
+        return record
+
+    def _advance_trained_through(self) -> None:
+        k = self._trained_through + 1
+        while k in self._records and self._records[k].status == "trained":
+            k += 1
+        self._trained_through = k - 1
+
+    def counts(self, limit: int | None) -> BatchCounts:
+        by_status = {s: 0 for s in BATCH_STATUSES}
+        for record in self._records.values():
+            by_status[record.status] += 1
+        return BatchCounts(
+            planned=by_status["planned"],
+            complete=by_status["complete"],
+            trained=by_status["trained"],
+            total=len(self._records),
+            trained_through=self._trained_through,
+            limit=limit or 0,
+        )
+
+
+class TaskWriter(Protocol):
+    """The tasks stream as the planner needs it (see `coordinator.state.TasksStream`)."""
+
+    def mark(self) -> str:
+        """Id of the stream's last entry ("0-0" when the stream does not exist)."""
+
+    def count_after(self, mark: str) -> int:
+        """Number of entries in the stream after `mark`."""
+
+    def send_many(self, tasks: Sequence[Any]) -> list[Any]:
+        """Append the tasks in order."""
+
+
+class BatchPlanner:
+    """Plans batches ahead of the trainer and writes their tasks; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        task_source: Any,
+        encode: Callable[[str], Sequence[int]],
+        writer: TaskWriter,
+        ledger: BatchLedger,
+        batch_size: int,
+        group_size: int,
+        max_inflight_batches: int,
+        total_batches: int | None = None,
+        max_prompt_tokens: int | None = None,
+        version_hint: Callable[[], int] = lambda: 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        assert batch_size >= 1 and group_size >= 1 and max_inflight_batches >= 1
+        self.task_source = task_source
+        self.encode = encode
+        self.writer = writer
+        self.ledger = ledger
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.max_inflight_batches = max_inflight_batches
+        self.total_batches = total_batches
+        self.max_prompt_tokens = max_prompt_tokens
+        self.version_hint = version_hint
+        self.clock = clock
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def horizon(self) -> int:
+        """Number of batches that may be planned now: trained prefix + max_inflight_batches, capped."""
+        horizon = self.ledger.num_trained_contiguous + self.max_inflight_batches
+        if self.total_batches is not None:
+            horizon = min(horizon, self.total_batches)
+        return horizon
+
+    def plan_groups(self, batch_id: int) -> list[tuple[GroupPlan, np.ndarray]]:
+        """The prompt groups of `batch_id` with their token ids; a pure function of the settings and k."""
+        groups = []
+        for group_id in range(self.batch_size):
+            prompt_index = batch_id * self.batch_size + group_id
+            problem = self.task_source.problem(prompt_index)
+            prompt_ids = np.asarray(list(self.encode(problem.prompt)), dtype=np.int32)
+            if prompt_ids.ndim != 1 or prompt_ids.size == 0:
+                raise PlanError(f"prompt {prompt_index} ({problem.prompt!r}) encodes to no tokens")
+            if self.max_prompt_tokens is not None and prompt_ids.size > self.max_prompt_tokens:
+                raise PlanError(
+                    f"prompt {prompt_index} has {prompt_ids.size} tokens, more than wire.max_prompt_tokens "
+                    f"({self.max_prompt_tokens}); raise the limit or shorten the task's prompts"
+                )
+            payload = {str(k): str(v) for k, v in problem.payload().items()}
+            group = GroupPlan(
+                group_id=group_id,
+                task_id=task_id_of(batch_id, group_id),
+                prompt_index=prompt_index,
+                prompt=problem.prompt,
+                num_prompt_tokens=int(prompt_ids.size),
+                payload=payload,
+            )
+            groups.append((group, prompt_ids))
+        return groups
+
+    def plan_ahead(self) -> list[int]:
+        """Plan (and write the tasks of) every batch the horizon allows; returns the new batch ids."""
+        planned = []
+        while len(self.ledger) < self.horizon():
+            planned.append(self._plan_batch(len(self.ledger)))
+        return planned
+
+    def _plan_batch(self, batch_id: int) -> int:
+        groups = self.plan_groups(batch_id)
+        record = BatchRecord(
+            batch_id=batch_id,
+            status="planned",
+            group_size=self.group_size,
+            groups=[g for g, _ in groups],
+            planned_at=self.clock(),
+            weight_version_hint=self.version_hint(),
+            stream_mark=self.writer.mark(),
+        )
+        self.ledger.add(record)  # saved before sending: a crash from here on is finished by recover()
+        self._write_tasks(record, [ids for _, ids in groups], already_written=0)
+        logger.info(
+            "planned batch %d: prompts %d..%d x %d samples",
+            batch_id,
+            groups[0][0].prompt_index,
+            groups[-1][0].prompt_index,
+            self.group_size,
+        )
+        return batch_id
+
+    def _write_tasks(
+        self, record: BatchRecord, prompt_ids: list[np.ndarray], *, already_written: int
+    ) -> None:
+        from rlcommon.wire import Task
+
+        tasks = [
+            Task(
+                task_id=group.task_id,
+                batch_id=record.batch_id,
+                group_id=group.group_id,
+                prompt_ids=ids,
+                group_size=record.group_size,
+                payload=dict(group.payload),
+                weight_version_hint=record.weight_version_hint,
+            )
+            for group, ids in zip(record.groups, prompt_ids, strict=True)
+        ]
+        if tasks[already_written:]:
+            self.writer.send_many(tasks[already_written:])
+        record.tasks_written = True
+        self.ledger.update(record)
+
+    def recover(self) -> list[int]:
+        """Finish writing the tasks of any batch a crash interrupted; returns the batch ids finished."""
+        finished = []
+        for record in self.ledger.records():
+            if record.tasks_written:
+                continue
+            written = self.writer.count_after(record.stream_mark)
+            if written > len(record.groups):
+                raise PlanError(
+                    f"tasks stream holds {written} entries after batch {record.batch_id}'s mark, more than its "
+                    f"{len(record.groups)} tasks: another process writes to the tasks stream of this run"
+                )
+            groups = self.plan_groups(record.batch_id)
+            if [g for g, _ in groups] != record.groups:
+                raise PlanError(
+                    f"batch {record.batch_id}: the persisted plan differs from the plan of the current task "
+                    "settings; the run's task or tokenizer settings changed (use a new bus.run_id)"
+                )
+            prompt_ids = [ids for _, ids in groups]
+            logger.warning(
+                "batch %d: resuming an interrupted write (%d of %d tasks were sent)",
+                record.batch_id,
+                written,
+                len(record.groups),
+            )
+            self._write_tasks(record, prompt_ids, already_written=written)
+            finished.append(record.batch_id)
+        return finished
+
+
+def encoder_for(model_cfg: Any, task_cfg: Any) -> Callable[[str], Sequence[int]]:
+    """The prompt tokenizer's `encode` for `model.name_or_path`, without torch.
+
+    A builder preset uses the character tokenizer every tiny model is built with (the model itself need
+    not exist yet); a local folder or a hub snapshot is read with `rlcommon.tokenizer.load_tokenizer`.
+    """
+    from rlcommon.tiny_model import model_source, resolve_model
+    from rlcommon.tokenizer import CharTokenizer, load_tokenizer
+
+    try:
+        source = model_source(model_cfg.name_or_path)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    if source == "preset":
+        return CharTokenizer().encode
+    try:
+        return load_tokenizer(resolve_model(model_cfg, task_cfg)).encode
+    except ValueError as err:
+        raise PlanError(f"cannot load the prompt tokenizer: {err}") from None

@@ -1,0 +1,192 @@
+"""Registered samplers: identity, loaded weight version, liveness and health.
+
+Health is derived, not stored as a state machine:
+- LOST when no heartbeat arrived within `heartbeat_timeout_s` (not waited for by syncs);
+- else UNHEALTHY when it missed a sync ack or failed to load a version (`unhealthy_reason` set), cleared
+  when it acks the published version or registers again;
+- else HEALTHY.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SAMPLER_ID_PATTERN", "SamplerRecord", "SamplerRegistry", "HEALTHY", "UNHEALTHY", "LOST"]
+
+SAMPLER_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+HEALTHY, UNHEALTHY, LOST = "healthy", "unhealthy", "lost"
+
+
+@dataclass
+class SamplerRecord:
+    """One sampler as persisted (JSON in Redis)."""
+
+    sampler_id: str
+    hostname: str
+    pid: int
+    weight_version: int
+    registered_at: float
+    last_heartbeat_at: float
+    unhealthy_reason: str = ""
+    num_inflight_tasks: int = 0
+    num_rollouts: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplerRecord:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class SamplerView:
+    """A sampler with its derived health, as reported to clients."""
+
+    record: SamplerRecord
+    health: str
+    health_detail: str
+    subscribed: bool
+
+
+class SamplerRegistry:
+    """Samplers by id; persists each change through `save`. Subscriptions are counted in memory only."""
+
+    def __init__(
+        self,
+        records: Iterable[SamplerRecord] = (),
+        *,
+        save: Callable[[SamplerRecord], None],
+        heartbeat_timeout_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._records: dict[str, SamplerRecord] = {r.sampler_id: r for r in records}
+        self._save = save
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self._subscriptions: dict[str, int] = {}
+        now = clock()  # samplers already lost when the registry is loaded are not reported again
+        self._reported_lost: set[str] = {
+            sid for sid, r in self._records.items() if self.health(r, now)[0] == LOST
+        }
+
+    def __contains__(self, sampler_id: str) -> bool:
+        return sampler_id in self._records
+
+    def get(self, sampler_id: str) -> SamplerRecord | None:
+        return self._records.get(sampler_id)
+
+    def register(self, sampler_id: str, *, weight_version: int, hostname: str, pid: int) -> SamplerRecord:
+        now = self.clock()
+        previous = self._records.get(sampler_id)
+        record = SamplerRecord(
+            sampler_id=sampler_id,
+            hostname=hostname,
+            pid=pid,
+            weight_version=weight_version,
+            registered_at=now,
+            last_heartbeat_at=now,
+        )
+        self._records[sampler_id] = record
+        self._reported_lost.discard(sampler_id)
+        self._save(record)
+        if previous is None:
+            logger.info(
+                "sampler %s registered (host %s, pid %d, version %d)",
+                sampler_id,
+                hostname,
+                pid,
+                weight_version,
+            )
+        else:
+            logger.info(
+                "sampler %s registered again (host %s, pid %d, version %d)",
+                sampler_id,
+                hostname,
+                pid,
+                weight_version,
+            )
+        return record
+
+    def heartbeat(
+        self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int, num_rollouts: int
+    ) -> SamplerRecord:
+        record = self._records[sampler_id]
+        record.last_heartbeat_at = self.clock()
+        record.weight_version = weight_version
+        record.num_inflight_tasks = num_inflight_tasks
+        record.num_rollouts = num_rollouts
+        if sampler_id in self._reported_lost:
+            self._reported_lost.discard(sampler_id)
+            logger.info("sampler %s is back (heartbeat)", sampler_id)
+        self._save(record)
+        return record
+
+    def set_version(self, sampler_id: str, weight_version: int, *, healthy: bool) -> SamplerRecord:
+        record = self._records[sampler_id]
+        record.weight_version = weight_version
+        if healthy and record.unhealthy_reason:
+            logger.info("sampler %s is healthy again (loaded version %d)", sampler_id, weight_version)
+            record.unhealthy_reason = ""
+        self._save(record)
+        return record
+
+    def mark_unhealthy(self, sampler_id: str, reason: str) -> None:
+        record = self._records.get(sampler_id)
+        if record is None:
+            return
+        logger.warning("sampler %s is unhealthy: %s", sampler_id, reason)
+        record.unhealthy_reason = reason
+        self._save(record)
+
+    def subscribed(self, sampler_id: str, delta: int) -> None:
+        count = self._subscriptions.get(sampler_id, 0) + delta
+        assert count >= 0, (sampler_id, count)
+        if count:
+            self._subscriptions[sampler_id] = count
+        else:
+            self._subscriptions.pop(sampler_id, None)
+
+    def health(self, record: SamplerRecord, now: float | None = None) -> tuple[str, str]:
+        now = self.clock() if now is None else now
+        silent_s = now - record.last_heartbeat_at
+        if silent_s > self.heartbeat_timeout_s:
+            return LOST, f"no heartbeat for {silent_s:.0f} s (timeout {self.heartbeat_timeout_s:g} s)"
+        if record.unhealthy_reason:
+            return UNHEALTHY, record.unhealthy_reason
+        return HEALTHY, ""
+
+    def is_live(self, sampler_id: str, now: float | None = None) -> bool:
+        record = self._records.get(sampler_id)
+        return record is not None and self.health(record, now)[0] != LOST
+
+    def live_ids(self, now: float | None = None) -> list[str]:
+        now = self.clock() if now is None else now
+        return sorted(sid for sid, r in self._records.items() if self.health(r, now)[0] != LOST)
+
+    def views(self) -> list[SamplerView]:
+        now = self.clock()
+        out = []
+        for sampler_id in sorted(self._records):
+            record = self._records[sampler_id]
+            health, detail = self.health(record, now)
+            out.append(SamplerView(record, health, detail, self._subscriptions.get(sampler_id, 0) > 0))
+        return out
+
+    def report_lost(self) -> list[str]:
+        """Samplers that became LOST since the last call (logged once each)."""
+        now = self.clock()
+        newly = []
+        for sampler_id, record in self._records.items():
+            if sampler_id not in self._reported_lost and self.health(record, now)[0] == LOST:
+                self._reported_lost.add(sampler_id)
+                newly.append(sampler_id)
+                logger.warning("sampler %s lost: %s", sampler_id, self.health(record, now)[1])
+        return newly

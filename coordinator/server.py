@@ -1,0 +1,419 @@
+"""The coordinator's gRPC server (grpc.aio): thin servicers over `service.Coordinator`.
+
+Each RPC validates nothing itself: it calls one method of the plain `Coordinator` on a single worker
+thread (so Redis round-trips never block the event loop, and the coordinator needs no locks), converts the
+result to protobuf, and maps `CoordinatorError` to a status code: InvalidArgument -> INVALID_ARGUMENT,
+NotFound -> NOT_FOUND, FailedPrecondition -> FAILED_PRECONDITION, Redis unreachable -> UNAVAILABLE.
+The server also runs the standard health service (`grpc.health.v1.Health`, SERVING once the state is
+loaded) and server reflection, so stock tools (grpcurl, grpc_health_probe) work.
+
+Lifecycle: `CoordinatorServer(cfg, coordinator)`, `await start()`, `await wait_for_termination()` (or
+serve until a signal, see `__main__`), `await stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator import auth, convert
+from coordinator.service import Coordinator, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound
+from coordinator.syncs import WeightBroadcaster
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+from rlcommon.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SERVICE_NAME", "STATE_CHANGING_METHODS", "CoordinatorServicer", "CoordinatorServer"]
+
+T = TypeVar("T")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+STATE_CHANGING_METHODS = frozenset(
+    f"/{SERVICE_NAME}/{name}"
+    for name in (
+        "RegisterSampler",
+        "SubscribeWeightUpdates",
+        "AckWeightVersion",
+        "Heartbeat",
+        "MarkBatchComplete",
+        "ReportStep",
+        "AnnouncePublished",
+        "TriggerSync",
+    )
+)
+"""Methods that need the token when one is configured; the others only read."""
+
+_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """gRPC methods of `Coordinator`; see protos/coordinator.proto for their contracts."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        run: Callable[..., Any],
+        broadcaster: WeightBroadcaster,
+        submit: Callable[..., Any],
+    ) -> None:
+        self._core = coordinator
+        self._run = run
+        self._submit = submit
+        self._broadcaster = broadcaster
+
+    async def _call(
+        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        """Run `fn` on the coordinator's thread, turning its errors into gRPC status codes."""
+        try:
+            return await self._run(fn, *args, **kwargs)
+        except CoordinatorError as err:
+            await context.abort(_CODES.get(type(err), grpc.StatusCode.INVALID_ARGUMENT), str(err))
+        except Exception as err:
+            from rlcommon.bus import BusUnavailableError
+
+            if isinstance(err, BusUnavailableError):
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"coordinator state store unavailable: {err}"
+                )
+            logger.exception("%s failed", getattr(fn, "__name__", fn))
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    # ------------------------------------------------------------------------------------- samplers
+
+    async def RegisterSampler(
+        self, request: pb.RegisterSamplerRequest, context
+    ) -> pb.RegisterSamplerResponse:
+        view, published_version, latest = await self._call(
+            context,
+            self._core.register_sampler,
+            request.sampler_id,
+            weight_version=request.weight_version,
+            hostname=request.hostname,
+            pid=request.pid,
+        )
+        reply = pb.RegisterSamplerResponse(
+            sampler=convert.sampler_pb(view),
+            published_version=published_version,
+            heartbeat_timeout_s=self._core.ccfg.sampler_heartbeat_timeout_s,
+            run_id=self._core.run_id,
+        )
+        if latest is not None:
+            reply.latest.CopyFrom(convert.weight_update_pb(latest))
+        return reply
+
+    async def SubscribeWeightUpdates(
+        self, request: pb.SubscribeWeightUpdatesRequest, context
+    ) -> AsyncIterator[pb.WeightUpdate]:
+        await self._call(context, self._core.open_subscription, request.sampler_id, request.weight_version)
+        try:
+            async for update in self._broadcaster.updates(after_version=request.weight_version):
+                yield convert.weight_update_pb(update)
+        finally:
+            self._submit(self._core.close_subscription, request.sampler_id)
+
+    async def AckWeightVersion(
+        self, request: pb.AckWeightVersionRequest, context
+    ) -> pb.AckWeightVersionResponse:
+        published, complete = await self._call(
+            context,
+            self._core.ack_weight_version,
+            request.sampler_id,
+            weight_version=request.weight_version,
+            error=request.error,
+            load_s=request.load_s,
+        )
+        return pb.AckWeightVersionResponse(published_version=published, sync_complete=complete)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        published, health_name = await self._call(
+            context,
+            self._core.heartbeat,
+            request.sampler_id,
+            weight_version=request.weight_version,
+            num_inflight_tasks=request.num_inflight_tasks,
+            num_rollouts=request.num_rollouts,
+        )
+        return pb.HeartbeatResponse(published_version=published, health=convert.HEALTH_TO_PB[health_name])
+
+    # -------------------------------------------------------------------------------------- trainer
+
+    async def MarkBatchComplete(
+        self, request: pb.MarkBatchCompleteRequest, context
+    ) -> pb.MarkBatchCompleteResponse:
+        record = await self._call(
+            context, self._core.mark_batch_complete, request.batch_id, num_rollouts=request.num_rollouts
+        )
+        return pb.MarkBatchCompleteResponse(batch=convert.batch_summary_pb(record))
+
+    async def ReportStep(self, request: pb.ReportStepRequest, context) -> pb.ReportStepResponse:
+        answer = await self._call(
+            context,
+            self._core.report_step,
+            step=request.step,
+            batch_id=request.batch_id,
+            weight_version=request.weight_version,
+            stats=dict(request.stats),
+        )
+        return pb.ReportStepResponse(
+            publish=answer.decision.publish,
+            reason=answer.decision.reason,
+            next_weight_version=answer.next_weight_version,
+            batches=convert.counts_pb(answer.counts),
+        )
+
+    async def AnnouncePublished(
+        self, request: pb.AnnouncePublishedRequest, context
+    ) -> pb.AnnouncePublishedResponse:
+        sync, update = await self._call(
+            context,
+            self._core.announce_published,
+            weight_version=request.weight_version,
+            path=request.path,
+            sha256=request.sha256,
+            step=request.step,
+            reason=request.reason,
+        )
+        if update is not None:
+            await self._broadcaster.publish(update)
+        return pb.AnnouncePublishedResponse(sync=convert.sync_pb(sync))
+
+    # --------------------------------------------------------------------------------------- anyone
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
+        return convert.status_pb(await self._call(context, self._core.status))
+
+    async def ListSamplers(self, request: pb.ListSamplersRequest, context) -> pb.ListSamplersResponse:
+        views = await self._call(context, self._core.sampler_views)
+        return pb.ListSamplersResponse(samplers=[convert.sampler_pb(v) for v in views])
+
+    async def ListSyncs(self, request: pb.ListSyncsRequest, context) -> pb.ListSyncsResponse:
+        records, total = await self._call(context, self._core.sync_history, request.limit)
+        return pb.ListSyncsResponse(syncs=[convert.sync_pb(r) for r in records], total=total)
+
+    async def GetBatchPlan(self, request: pb.GetBatchPlanRequest, context) -> pb.GetBatchPlanResponse:
+        record = await self._call(context, self._core.batch_plan, request.batch_id)
+        return pb.GetBatchPlanResponse(plan=convert.batch_plan_pb(record))
+
+    async def ListBatches(self, request: pb.ListBatchesRequest, context) -> pb.ListBatchesResponse:
+        status = convert.PB_TO_STATUS.get(request.status)
+        if request.status and status is None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"status: unknown batch status {request.status}"
+            )
+        records, counts = await self._call(
+            context, self._core.batches, status=status, start=request.start_batch_id, limit=request.limit
+        )
+        return pb.ListBatchesResponse(
+            batches=[convert.batch_summary_pb(r) for r in records], counts=convert.counts_pb(counts)
+        )
+
+    async def TriggerSync(self, request: pb.TriggerSyncRequest, context) -> pb.TriggerSyncResponse:
+        pending = await self._call(context, self._core.trigger_sync, request.reason)
+        return pb.TriggerSyncResponse(pending_reasons=pending)
+
+
+class _CoordinatorThread:
+    """One daemon thread that runs every call into the `Coordinator`, in submission order. A daemon, so
+    that a call stuck on an unreachable Redis never keeps the process from exiting."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="coordinator", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def close(self) -> None:
+        """Finish the calls already submitted, then end the thread."""
+        self._calls.put(None)
+
+    def _loop(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args, kwargs = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # handed to the awaiting RPC
+                future.set_exception(err)
+
+
+class CoordinatorServer:
+    """Serves one `Coordinator` over gRPC, with health, reflection, optional token auth and TLS."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        coordinator: Coordinator,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        metrics: Any | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.coordinator = coordinator
+        self.host = cfg.coordinator.host if host is None else host
+        self._requested_port = cfg.coordinator.port if port is None else port
+        self.port: int | None = None
+        self._metrics = metrics
+        self._worker: _CoordinatorThread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._broadcaster = WeightBroadcaster()
+        self._ticker: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port clients dial (0.0.0.0 dialed as 127.0.0.1)."""
+        assert self.port is not None, "server not started"
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+        return f"{host}:{self.port}"
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn(*args, **kwargs)` on the coordinator's thread."""
+        assert self._worker is not None, "server not started"
+        return await asyncio.wrap_future(self._worker.submit(fn, *args, **kwargs))
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn` on the coordinator's thread without waiting for it."""
+        if self._worker is not None:
+            self._worker.submit(fn, *args)
+
+    async def start(self) -> None:
+        """Load the coordinator's state, bind the port, start serving (health: SERVING)."""
+        ccfg = self.cfg.coordinator
+        self._worker = _CoordinatorThread()
+        await self.run(self.coordinator.start)
+        try:
+            await self._start_grpc(ccfg.auth_token, ccfg.tls_cert, ccfg.tls_key)
+        except BaseException:
+            await self.run(self.coordinator.stop)
+            self._worker.close()
+            self._worker = None
+            raise
+        latest = self.coordinator.latest_update
+        if latest is not None:
+            await self._broadcaster.publish(latest)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._ticker = asyncio.create_task(self._tick_forever(), name="coordinator-tick")
+        logger.info(
+            "coordinator of run '%s' serving on %s (%s, %s)",
+            self.coordinator.run_id,
+            self.address,
+            "TLS" if ccfg.tls_cert else "plaintext",
+            "token required" if ccfg.auth_token else "no token",
+        )
+
+    async def _start_grpc(self, token: str | None, tls_cert: str | None, tls_key: str | None) -> None:
+        interceptors = [auth.TokenAuthInterceptor(token, STATE_CHANGING_METHODS)] if token else []
+        # No SO_REUSEPORT: a second coordinator on a busy port must fail, not share the port's traffic.
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        servicer = CoordinatorServicer(
+            self.coordinator, run=self.run, broadcaster=self._broadcaster, submit=self._submit
+        )
+        pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        target = f"{self.host}:{self._requested_port}"
+        credentials = auth.server_credentials(tls_cert, tls_key)
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(target)
+            else:
+                port = server.add_secure_port(target, credentials)
+        except RuntimeError as err:
+            raise OSError(f"cannot listen on {target}: {err} (port in use, or host not local?)") from None
+        if port == 0:
+            raise OSError(f"cannot listen on {target} (port in use, or host not local?)")
+        await server.start()
+        self._server, self.port = server, port
+
+    async def _tick_forever(self) -> None:
+        interval = self.coordinator.tick_interval_s
+        next_metrics = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.run(self.coordinator.tick)
+                if self._metrics is not None and loop.time() >= next_metrics:
+                    next_metrics = loop.time() + 2.0
+                    self._export_metrics(await self.run(self.coordinator.status))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("periodic coordinator work failed (retrying)")
+
+    def _export_metrics(self, status: Any) -> None:
+        gauges = {
+            "published_version": status.published_version,
+            "trainer_version": status.trainer_version,
+            "batches_trained": status.counts.trained,
+            "batches_planned": status.counts.total,
+            "samplers_live": sum(1 for s in status.samplers if s.health != "lost"),
+            "samplers_unhealthy": sum(1 for s in status.samplers if s.health == "unhealthy"),
+            "syncs": status.num_syncs,
+            "tasks_queue_depth": status.tasks_queue_depth,
+            "rollouts_queue_depth": status.rollouts_queue_depth,
+            "dead_letters": status.deadletter_length,
+        }
+        if status.last_ess_lag is not None:
+            gauges["last_ess_lag"] = status.last_ess_lag
+        for name, value in gauges.items():
+            self._metrics.gauge(name, float(value))
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Health NOT_SERVING, end the weight-update streams, stop gRPC, release the run's lock."""
+        await self._health.enter_graceful_shutdown()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            try:
+                await self._ticker
+            except asyncio.CancelledError:
+                pass
+            self._ticker = None
+        await self._broadcaster.close()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        if self._worker is not None:
+            try:  # releases the run lock; do not hang on an unreachable Redis (the lock expires by itself)
+                await asyncio.wait_for(self.run(self.coordinator.stop), timeout=grace_s + 3.0)
+            except TimeoutError:
+                logger.warning("state store busy or unreachable at shutdown; the run lock expires by itself")
+            self._worker.close()
+            self._worker = None
+        logger.info("coordinator of run '%s' stopped", self.coordinator.run_id)

@@ -1,0 +1,675 @@
+"""The coordinator's logic as one plain, synchronous class: `Coordinator`.
+
+It composes the batch planner and ledger (`planner`), the sync policy (`sync_policy`), the samplers
+(`samplers`), the sync tracker (`syncs`) and the Redis persistence (`state`), and validates every argument
+a client sends. The gRPC layer (`server`) only converts messages and maps `CoordinatorError` to status
+codes. Lifecycle: `start()` (take the run's lock, load or create the state, finish an interrupted task
+write, plan ahead), the public calls, `tick()` every fraction of a second (ack timeouts, lost samplers,
+planning retries, the lock), `stop()`.
+
+Not thread-safe: the server calls it from one worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.planner import BATCH_STATUSES, BatchCounts, BatchLedger, BatchPlanner, BatchRecord
+from coordinator.samplers import SAMPLER_ID_PATTERN, SamplerRegistry, SamplerView
+from coordinator.state import CoordinatorStore, TasksStream
+from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide, describe
+from coordinator.syncs import SyncRecord, SyncTracker, WeightUpdateInfo
+from rlcommon.bus import StreamProducer, stream_key
+from rlcommon.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CoordinatorError",
+    "InvalidArgument",
+    "NotFound",
+    "FailedPrecondition",
+    "StartupError",
+    "StepAnswer",
+    "StatusView",
+    "Coordinator",
+]
+
+PLAN_SCHEMA = 1
+LOCK_TTL_S = 15.0
+SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+MAX_STAT_KEY_CHARS = 128
+MAX_TEXT_CHARS = 4096
+
+
+class CoordinatorError(Exception):
+    """A call the coordinator refuses; `field` names the argument, str() is "<field>: <reason>"."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class InvalidArgument(CoordinatorError):
+    """A malformed argument, or one that refers to something that does not exist (e.g. an unplanned batch)."""
+
+
+class NotFound(CoordinatorError):
+    """An unknown sampler: it must call RegisterSampler first."""
+
+
+class FailedPrecondition(CoordinatorError):
+    """A well-formed call out of protocol order (e.g. training batches out of plan order)."""
+
+
+class StartupError(RuntimeError):
+    """The coordinator cannot start on this run's state (another coordinator holds it, settings changed)."""
+
+
+@dataclass(frozen=True)
+class StepAnswer:
+    decision: SyncDecision
+    next_weight_version: int
+    counts: BatchCounts
+
+
+@dataclass(frozen=True)
+class StepReportView:
+    step: int
+    batch_id: int
+    weight_version: int
+    stats: dict[str, float]
+    publish: bool
+    reason: str
+    reported_at: float
+
+
+@dataclass(frozen=True)
+class StatusView:
+    run_id: str
+    sync_policy: str
+    published_version: int
+    trainer_version: int
+    last_ess_lag: float | None
+    last_step: StepReportView | None
+    counts: BatchCounts
+    samplers: list[SamplerView]
+    tasks_queue_depth: int
+    rollouts_queue_depth: int
+    deadletter_length: int
+    sync_in_progress: SyncRecord | None
+    pending_manual_triggers: list[str]
+    num_syncs: int
+    started_at: float
+    sync_policy_detail: str
+    batch_size: int
+    group_size: int
+    max_inflight_batches: int
+
+
+def _non_negative(field: str, value: int) -> int:
+    if value < 0:
+        raise InvalidArgument(field, f"must be >= 0, got {value}")
+    return value
+
+
+def _sampler_id(value: str) -> str:
+    if not value:
+        raise InvalidArgument("sampler_id", "must not be empty")
+    if not SAMPLER_ID_PATTERN.match(value):
+        raise InvalidArgument(
+            "sampler_id", f"{value[:64]!r} is not a valid id (1-128 characters of letters, digits and _.:@-)"
+        )
+    return value
+
+
+def _short_text(field: str, value: str) -> str:
+    if len(value) > MAX_TEXT_CHARS:
+        raise InvalidArgument(field, f"at most {MAX_TEXT_CHARS} characters, got {len(value)}")
+    return value
+
+
+class Coordinator:
+    """Single source of truth of one run: plan, ledger, versions, samplers, syncs (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        conn: Any,
+        encode: Callable[[str], Sequence[int]],
+        task_source: Any | None = None,
+        tasks_producer: Any | None = None,
+        rollouts_producer: Any | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.ccfg = cfg.coordinator
+        self.run_id = cfg.bus.run_id
+        self.clock = clock
+        self._conn = conn
+        self.store = CoordinatorStore(conn, self.run_id)
+        if task_source is None:
+            from rlcommon.tasks import TaskSource
+
+            task_source = TaskSource(cfg.task)
+        self._task_source = task_source
+        self._encode = encode
+        if tasks_producer is None:
+            tasks_producer = StreamProducer.from_config(conn, cfg.bus, "tasks", backpressure=False)
+        if rollouts_producer is None:  # never sends: only its queue depth is read
+            rollouts_producer = StreamProducer.from_config(conn, cfg.bus, "rollouts", backpressure=False)
+        self._tasks_producer = tasks_producer
+        self._rollouts_producer = rollouts_producer
+        self._tasks_stream = TasksStream(tasks_producer)
+        self._lock_owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._started = False
+        self.started_at = 0.0
+        # Loaded by start():
+        self.ledger: BatchLedger
+        self.planner: BatchPlanner
+        self.samplers: SamplerRegistry
+        self.syncs: SyncTracker
+        self.triggers: ManualTriggers
+        self._published: WeightUpdateInfo | None = None
+        self._trainer_version = 0
+        self._last_step: StepReportView | None = None
+        self._pending_publish: dict[str, Any] | None = None
+        self._planning_error: str | None = None
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def start(self, *, lock_wait_s: float = LOCK_TTL_S + 1.0) -> None:
+        """Take the run's lock, load (or create) the persisted state, finish an interrupted write, plan."""
+        assert not self._started, "start() called twice"
+        self._acquire_lock(lock_wait_s)
+        try:
+            self._load()
+        except BaseException:
+            self.store.release_lock(self._lock_owner)
+            raise
+        self._started = True
+        self.started_at = self.clock()
+
+    def stop(self) -> None:
+        """Release the run's lock (the state stays in Redis for the next coordinator)."""
+        if self._started:
+            self._started = False
+            try:
+                self.store.release_lock(self._lock_owner)
+            except Exception as err:  # Redis gone: the lock expires by itself
+                logger.warning("could not release the run lock (%s); it expires in %.0f s", err, LOCK_TTL_S)
+
+    def _acquire_lock(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        logged = False
+        while True:
+            holder = self.store.acquire_lock(self._lock_owner, LOCK_TTL_S)
+            if holder is None:
+                return
+            if time.monotonic() >= deadline:
+                raise StartupError(
+                    f"run '{self.run_id}' is held by another coordinator ({holder}; Redis key "
+                    f"{self.store.key('lock')}, expires in {self.store.lock_ttl_s():.0f} s): stop it, or use "
+                    "another bus.run_id"
+                )
+            if not logged:
+                logged = True
+                logger.info(
+                    "run '%s' is locked by %s; waiting up to %.0f s for it to be released or expire",
+                    self.run_id,
+                    holder,
+                    wait_s,
+                )
+            time.sleep(0.5)
+
+    def _plan_meta(self) -> dict[str, Any]:
+        """What the plan depends on; a restart with different values would plan different batches."""
+        probe = self._task_source.problem(0).prompt
+        return {
+            "schema": PLAN_SCHEMA,
+            "batch_size": self.ccfg.batch_size,
+            "group_size": self.ccfg.group_size,
+            "task": self.cfg.task.model_dump(mode="json"),
+            "tokenizer_probe": [int(i) for i in self._encode(probe)],  # the tokenizer of the plan's prompts
+        }
+
+    def _load(self) -> None:
+        meta = self._plan_meta()
+        saved = self.store.load_meta()
+        if saved is None:
+            self.store.save_meta(meta)
+        elif saved != meta:
+            diffs = [
+                f"{key}: run has {saved.get(key)!r}, config has {meta[key]!r}"
+                for key in meta
+                if saved.get(key) != meta[key]
+            ]
+            raise StartupError(
+                f"run '{self.run_id}' was planned with other settings ({'; '.join(diffs)}); resume it with the "
+                "same settings, or start a new run with another bus.run_id"
+            )
+        values = self.store.load_values()
+        if "published" in values:
+            self._published = WeightUpdateInfo.from_dict(values["published"])
+        self._trainer_version = int(values.get("trainer_version", 0))
+        if "last_step" in values:
+            self._last_step = StepReportView(**values["last_step"])
+        self._pending_publish = values.get("pending_publish")
+
+        self.ledger = BatchLedger(self.store.load_batches(), save=self.store.save_batch)
+        self.samplers = SamplerRegistry(
+            self.store.load_samplers(),
+            save=self.store.save_sampler,
+            heartbeat_timeout_s=self.ccfg.sampler_heartbeat_timeout_s,
+            clock=self.clock,
+        )
+        self.syncs = SyncTracker(
+            self.store.load_syncs(),
+            save=self.store.save_sync,
+            ack_timeout_s=self.ccfg.sync_ack_timeout_s,
+            clock=self.clock,
+        )
+        self.triggers = ManualTriggers(self.store.load_triggers())
+        self.planner = BatchPlanner(
+            task_source=self._task_source,
+            encode=self._encode,
+            writer=self._tasks_stream,
+            ledger=self.ledger,
+            batch_size=self.ccfg.batch_size,
+            group_size=self.ccfg.group_size,
+            max_inflight_batches=self.ccfg.max_inflight_batches,
+            total_batches=self.ccfg.total_batches,
+            max_prompt_tokens=self.cfg.wire.max_prompt_tokens,
+            version_hint=lambda: self.published_version,
+            clock=self.clock,
+        )
+        resumed = len(self.ledger) > 0
+        self.planner.recover()
+        new = self.planner.plan_ahead()
+        counts = self.ledger.counts(self.ccfg.total_batches)
+        if resumed:
+            logger.info(
+                "resumed run '%s': %d batches planned (%d trained, %d complete), published version %d, "
+                "%d samplers, %d syncs; planned now: %s",
+                self.run_id,
+                counts.total,
+                counts.trained,
+                counts.complete,
+                self.published_version,
+                len(self.samplers.views()),
+                len(self.syncs),
+                new or "none",
+            )
+        else:
+            logger.info(
+                "new run '%s': planned batches %s (B=%d, G=%d, policy %s)",
+                self.run_id,
+                new,
+                self.ccfg.batch_size,
+                self.ccfg.group_size,
+                self.ccfg.sync_policy,
+            )
+
+    def tick(self) -> None:
+        """Periodic work: lost samplers, ack deadlines, planning retries, the run lock."""
+        assert self._started
+        self.samplers.report_lost()
+        active = self.syncs.active
+        if active is not None:
+            now = self.clock()
+            for sampler_id in active.pending:
+                if not self.samplers.is_live(sampler_id, now):
+                    self._leave_out(sampler_id, f"lost during the sync of version {active.weight_version}")
+            for sampler_id in self.syncs.overdue(now):
+                self._leave_out(
+                    sampler_id,
+                    f"no ack of version {active.weight_version} within {self.ccfg.sync_ack_timeout_s:g} s",
+                )
+        if self._planning_error is not None:
+            self._plan_ahead()
+        if not self.store.renew_lock(self._lock_owner, LOCK_TTL_S):
+            logger.error(
+                "lost the lock of run '%s' to another coordinator; two coordinators must not share a run",
+                self.run_id,
+            )
+
+    @property
+    def tick_interval_s(self) -> float:
+        """How often `tick` should run to honor the configured timeouts."""
+        return max(
+            0.02, min(1.0, self.ccfg.sync_ack_timeout_s / 5, self.ccfg.sampler_heartbeat_timeout_s / 5)
+        )
+
+    def _plan_ahead(self) -> None:
+        try:
+            self.planner.plan_ahead()
+            self._planning_error = None
+        except Exception as err:  # Redis down past the reconnect budget: keep serving, retry on tick
+            if self._planning_error is None:
+                logger.error("planning failed (retrying): %s", err)
+            self._planning_error = str(err)
+
+    def _leave_out(self, sampler_id: str, reason: str) -> None:
+        self.samplers.mark_unhealthy(sampler_id, reason)
+        self.syncs.leave_out(sampler_id)
+
+    # ------------------------------------------------------------------------------------- versions
+
+    @property
+    def published_version(self) -> int:
+        return self._published.weight_version if self._published is not None else 0
+
+    @property
+    def latest_update(self) -> WeightUpdateInfo | None:
+        return self._published
+
+    def _require_sampler(self, sampler_id: str) -> None:
+        _sampler_id(sampler_id)
+        if sampler_id not in self.samplers:
+            raise NotFound("sampler_id", f"unknown sampler {sampler_id!r}; call RegisterSampler first")
+
+    def _behind(self, weight_version: int) -> WeightUpdateInfo | None:
+        published = self._published
+        return published if published is not None and published.weight_version > weight_version else None
+
+    # ------------------------------------------------------------------------------------- samplers
+
+    def register_sampler(
+        self, sampler_id: str, *, weight_version: int, hostname: str = "", pid: int = 0
+    ) -> tuple[SamplerView, int, WeightUpdateInfo | None]:
+        """Register (again); returns the sampler, the published version, and the latest update when the
+        sampler is behind it."""
+        _sampler_id(sampler_id)
+        _non_negative("weight_version", weight_version)
+        _non_negative("pid", pid)
+        _short_text("hostname", hostname)
+        self.samplers.register(sampler_id, weight_version=weight_version, hostname=hostname, pid=pid)
+        return self._view(sampler_id), self.published_version, self._behind(weight_version)
+
+    def open_subscription(self, sampler_id: str, weight_version: int) -> None:
+        self._require_sampler(sampler_id)
+        _non_negative("weight_version", weight_version)
+        self.samplers.subscribed(sampler_id, +1)
+        logger.info(
+            "sampler %s subscribed at version %d (published %d)",
+            sampler_id,
+            weight_version,
+            self.published_version,
+        )
+
+    def close_subscription(self, sampler_id: str) -> None:
+        self.samplers.subscribed(sampler_id, -1)
+
+    def ack_weight_version(
+        self, sampler_id: str, *, weight_version: int, error: str = "", load_s: float = 0.0
+    ) -> tuple[int, bool]:
+        """Record a loaded (or failed) version; returns (published version, whether its sync is complete)."""
+        self._require_sampler(sampler_id)
+        _non_negative("weight_version", weight_version)
+        _short_text("error", error)
+        if weight_version > self.published_version:
+            raise InvalidArgument(
+                "weight_version",
+                f"version {weight_version} was never published (latest published: {self.published_version})",
+            )
+        if error:
+            self.samplers.mark_unhealthy(sampler_id, f"failed to load version {weight_version}: {error}")
+            self.syncs.leave_out(sampler_id)
+        else:
+            self.samplers.set_version(
+                sampler_id, weight_version, healthy=weight_version == self.published_version
+            )
+            self.syncs.ack(sampler_id, weight_version)
+            logger.info("sampler %s loaded version %d in %.2f s", sampler_id, weight_version, load_s)
+        record = self.syncs.by_version(weight_version)
+        sync_complete = record is not None and record.state != "in_progress"
+        return self.published_version, sync_complete
+
+    def heartbeat(
+        self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int = 0, num_rollouts: int = 0
+    ) -> tuple[int, str]:
+        """Returns (published version, health)."""
+        self._require_sampler(sampler_id)
+        _non_negative("weight_version", weight_version)
+        _non_negative("num_inflight_tasks", num_inflight_tasks)
+        _non_negative("num_rollouts", num_rollouts)
+        record = self.samplers.heartbeat(
+            sampler_id,
+            weight_version=weight_version,
+            num_inflight_tasks=num_inflight_tasks,
+            num_rollouts=num_rollouts,
+        )
+        return self.published_version, self.samplers.health(record)[0]
+
+    def _view(self, sampler_id: str) -> SamplerView:
+        return next(v for v in self.samplers.views() if v.record.sampler_id == sampler_id)
+
+    # -------------------------------------------------------------------------------------- trainer
+
+    def _planned_batch(self, batch_id: int) -> BatchRecord:
+        _non_negative("batch_id", batch_id)
+        if batch_id not in self.ledger:
+            planned = f"0..{len(self.ledger) - 1}" if len(self.ledger) else "none"
+            raise InvalidArgument("batch_id", f"batch {batch_id} is not planned (planned batches: {planned})")
+        return self.ledger.get(batch_id)
+
+    def mark_batch_complete(self, batch_id: int, *, num_rollouts: int = 0) -> BatchRecord:
+        record = self._planned_batch(batch_id)
+        _non_negative("num_rollouts", num_rollouts)
+        expected = len(record.groups) * record.group_size
+        if num_rollouts and num_rollouts != expected:
+            raise InvalidArgument(
+                "num_rollouts",
+                f"batch {batch_id} has {expected} rollouts ({len(record.groups)} groups x {record.group_size}), "
+                f"got {num_rollouts}",
+            )
+        if record.status == "planned":
+            logger.info("batch %d complete", batch_id)
+        return self.ledger.mark_complete(batch_id, now=self.clock())
+
+    def report_step(
+        self, *, step: int, batch_id: int, weight_version: int, stats: Mapping[str, float]
+    ) -> StepAnswer:
+        """Mark `batch_id` trained, plan ahead, and answer whether to publish (see `sync_policy`)."""
+        _non_negative("step", step)
+        _non_negative("weight_version", weight_version)
+        record = self._planned_batch(batch_id)
+        clean_stats = self._check_stats(stats)
+        last = self._last_step
+        if last is not None and last.step == step and last.batch_id == batch_id:
+            # A retry of the last report (its answer was lost): the same answer, nothing consumed twice.
+            decision = SyncDecision(last.publish, last.reason)
+            return StepAnswer(
+                decision, self.published_version + 1, self.ledger.counts(self.ccfg.total_batches)
+            )
+        if record.status != "trained" and batch_id != self.ledger.trained_through + 1:
+            raise FailedPrecondition(
+                "batch_id",
+                f"batches are trained in plan order: batch {self.ledger.trained_through + 1} is not trained yet, "
+                f"got batch {batch_id}",
+            )
+        try:
+            decision = decide(
+                self.ccfg.sync_policy,
+                step=step,
+                stats=clean_stats,
+                ess_threshold=self.ccfg.ess_threshold,
+                every_k=self.ccfg.sync_every_k,
+                manual_reasons=self.triggers.pending(),
+                sync_in_progress=self.syncs.active.weight_version if self.syncs.active is not None else None,
+            )
+        except PolicyInputError as err:
+            raise InvalidArgument(err.field, err.reason) from None
+        now = self.clock()
+        if self.triggers.pending():
+            self.triggers.take()
+            self.store.clear_triggers()
+        self.ledger.mark_trained(batch_id, step=step, now=now)
+        self._trainer_version = weight_version
+        self._last_step = StepReportView(
+            step, batch_id, weight_version, clean_stats, decision.publish, decision.reason, now
+        )
+        if decision.publish:
+            self._pending_publish = {"step": step, "reason": decision.reason}
+        self.store.save_values(
+            trainer_version=weight_version,
+            last_step=self._last_step.__dict__,
+            pending_publish=self._pending_publish,
+        )
+        logger.info("step %d (batch %d): publish=%s (%s)", step, batch_id, decision.publish, decision.reason)
+        self._plan_ahead()
+        return StepAnswer(decision, self.published_version + 1, self.ledger.counts(self.ccfg.total_batches))
+
+    @staticmethod
+    def _check_stats(stats: Mapping[str, float]) -> dict[str, float]:
+        out = {}
+        for key, value in stats.items():
+            if not key or len(key) > MAX_STAT_KEY_CHARS:
+                raise InvalidArgument(
+                    "stats", f"statistic names must have 1-{MAX_STAT_KEY_CHARS} characters, got {key!r}"
+                )
+            out[key] = float(value)  # NaN/inf are kept for the record (JSON stores them); ess_lag is checked
+        return out
+
+    def announce_published(
+        self, *, weight_version: int, path: str, sha256: str, step: int, reason: str = ""
+    ) -> tuple[SyncRecord, WeightUpdateInfo | None]:
+        """Start the sync of a published version; returns (sync, the update to broadcast or None if a repeat)."""
+        if weight_version < 1:
+            raise InvalidArgument(
+                "weight_version", f"must be >= 1 (0 is the initial weights), got {weight_version}"
+            )
+        if not path:
+            raise InvalidArgument("path", "must not be empty (the published version folder)")
+        _short_text("path", path)
+        _short_text("reason", reason)
+        sha256 = sha256.lower()
+        if not SHA256_PATTERN.match(sha256):
+            raise InvalidArgument("sha256", f"must be 64 hex characters, got {sha256[:80]!r}")
+        _non_negative("step", step)
+        published = self._published
+        if published is not None and weight_version == published.weight_version:
+            existing = self.syncs.by_version(weight_version)
+            if (published.sha256, published.path) == (sha256, path) and existing is not None:
+                return existing, None
+            raise InvalidArgument(
+                "sha256",
+                f"version {weight_version} was already announced with other files "
+                f"(sha256 {published.sha256[:12]}..., path {published.path})",
+            )
+        if published is not None and weight_version < published.weight_version:
+            raise InvalidArgument(
+                "weight_version",
+                f"version {weight_version} is not newer than the published version {published.weight_version}",
+            )
+        if not reason:
+            pending = self._pending_publish
+            reason = pending["reason"] if pending else "announced by the trainer (no publish was requested)"
+        now = self.clock()
+        expected = [
+            sid
+            for sid in self.samplers.live_ids(now)
+            if (rec := self.samplers.get(sid)) is not None and rec.weight_version < weight_version
+        ]
+        sync = self.syncs.start(
+            weight_version=weight_version,
+            step=step,
+            reason=reason,
+            path=path,
+            sha256=sha256,
+            expected=expected,
+        )
+        update = WeightUpdateInfo(weight_version, path, sha256, step, reason, now, sync.sync_id)
+        self._published = update
+        self._pending_publish = None
+        self.store.save_values(published=update.to_dict(), pending_publish=None)
+        return sync, update
+
+    # --------------------------------------------------------------------------------------- anyone
+
+    def trigger_sync(self, reason: str) -> list[str]:
+        """Queue a manual sync; returns every pending reason."""
+        try:
+            text = ManualTriggers.check_reason(reason)
+        except PolicyInputError as err:
+            raise InvalidArgument(err.field, err.reason) from None
+        self.store.push_trigger(text)
+        self.triggers.add(text)
+        logger.info("manual sync requested: %s", text)
+        return self.triggers.pending()
+
+    def batch_plan(self, batch_id: int) -> BatchRecord:
+        return self._planned_batch(batch_id)
+
+    def batches(
+        self, *, status: str | None, start: int = 0, limit: int = 100
+    ) -> tuple[list[BatchRecord], BatchCounts]:
+        _non_negative("start_batch_id", start)
+        if limit < 0:
+            raise InvalidArgument("limit", f"must be >= 0, got {limit}")
+        assert status is None or status in BATCH_STATUSES
+        return self.ledger.records(start=start, status=status, limit=limit or 100), self.counts()
+
+    def counts(self) -> BatchCounts:
+        return self.ledger.counts(self.ccfg.total_batches)
+
+    def sync_history(self, limit: int = 20) -> tuple[list[SyncRecord], int]:
+        if limit < 0:
+            raise InvalidArgument("limit", f"must be >= 0, got {limit}")
+        return self.syncs.history(limit or 20), len(self.syncs)
+
+    def sampler_views(self) -> list[SamplerView]:
+        return self.samplers.views()
+
+    @staticmethod
+    def _depth(producer: Any) -> int:
+        try:
+            return int(producer.queue_depth())
+        except Exception as err:
+            logger.debug("queue depth unavailable: %s", err)
+            return -1
+
+    def _deadletter_length(self) -> int:
+        try:
+            return int(self._conn.call(lambda r: r.xlen(stream_key(self.run_id, "deadletter"))))
+        except Exception as err:
+            logger.debug("dead-letter length unavailable: %s", err)
+            return -1
+
+    def status(self) -> StatusView:
+        last = self._last_step
+        ess = last.stats.get("ess_lag") if last is not None else None
+        return StatusView(
+            run_id=self.run_id,
+            sync_policy=self.ccfg.sync_policy,
+            published_version=self.published_version,
+            trainer_version=self._trainer_version,
+            last_ess_lag=ess if ess is not None and math.isfinite(ess) else None,
+            last_step=last,
+            counts=self.counts(),
+            samplers=self.samplers.views(),
+            tasks_queue_depth=self._depth(self._tasks_producer),
+            rollouts_queue_depth=self._depth(self._rollouts_producer),
+            deadletter_length=self._deadletter_length(),
+            sync_in_progress=self.syncs.active,
+            pending_manual_triggers=self.triggers.pending(),
+            num_syncs=len(self.syncs),
+            started_at=self.started_at,
+            sync_policy_detail=describe(
+                self.ccfg.sync_policy, ess_threshold=self.ccfg.ess_threshold, every_k=self.ccfg.sync_every_k
+            ),
+            batch_size=self.ccfg.batch_size,
+            group_size=self.ccfg.group_size,
+            max_inflight_batches=self.ccfg.max_inflight_batches,
+        )

@@ -1,0 +1,244 @@
+"""Weight syncs: the record of each one, its completion, and the broadcast of weight updates to samplers.
+
+A sync starts when the trainer announces a published version. The samplers live at that moment (and
+behind that version) are expected to ack it; the sync completes when each of them has acked or been left
+out: a sampler that does not ack within `ack_timeout_s`, fails to load the version, or is lost during the
+sync is marked unhealthy (by the caller) and recorded in `unhealthy`. A sync still in progress when a newer
+version is announced is SUPERSEDED (its samplers are expected to ack the newer one instead).
+
+`SyncTracker` is plain and synchronous; `WeightBroadcaster` is the asyncio side that feeds the
+SubscribeWeightUpdates streams, keeping only the latest update (a slow sampler never gets a backlog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SyncRecord", "WeightUpdateInfo", "SyncTracker", "WeightBroadcaster", "SYNC_STATES"]
+
+IN_PROGRESS, COMPLETE, SUPERSEDED = "in_progress", "complete", "superseded"
+SYNC_STATES = (IN_PROGRESS, COMPLETE, SUPERSEDED)
+
+
+@dataclass(frozen=True)
+class WeightUpdateInfo:
+    """A published version as delivered to samplers."""
+
+    weight_version: int
+    path: str
+    sha256: str
+    step: int
+    reason: str
+    published_at: float
+    sync_id: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WeightUpdateInfo:
+        return cls(**data)
+
+
+@dataclass
+class SyncRecord:
+    """One sync (persisted as JSON)."""
+
+    sync_id: int
+    weight_version: int
+    step: int
+    reason: str
+    path: str
+    sha256: str
+    started_at: float
+    state: str = IN_PROGRESS
+    ended_at: float = 0.0
+    expected: list[str] = field(default_factory=list)
+    acked: list[str] = field(default_factory=list)
+    unhealthy: list[str] = field(default_factory=list)
+
+    @property
+    def pending(self) -> list[str]:
+        """Expected samplers that have neither acked nor been left out."""
+        done = set(self.acked) | set(self.unhealthy)
+        return [s for s in self.expected if s not in done]
+
+    @property
+    def duration_s(self) -> float:
+        return self.ended_at - self.started_at if self.ended_at else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SyncRecord:
+        record = cls(**data)
+        assert record.state in SYNC_STATES, record.state
+        return record
+
+
+class SyncTracker:
+    """Sync history and the sync in progress; persists every change through `save`."""
+
+    def __init__(
+        self,
+        records: Iterable[SyncRecord] = (),
+        *,
+        save: Callable[[SyncRecord], None],
+        ack_timeout_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._records: dict[int, SyncRecord] = {r.sync_id: r for r in records}
+        self._save = save
+        self.ack_timeout_s = ack_timeout_s
+        self.clock = clock
+        in_progress = [r for r in self._records.values() if r.state == IN_PROGRESS]
+        assert len(in_progress) <= 1, f"several syncs in progress: {[r.sync_id for r in in_progress]}"
+        self._active: SyncRecord | None = in_progress[0] if in_progress else None
+
+    @property
+    def active(self) -> SyncRecord | None:
+        """The sync in progress, if any."""
+        return self._active
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def history(self, limit: int | None = None) -> list[SyncRecord]:
+        """Syncs, newest first."""
+        ordered = sorted(self._records.values(), key=lambda r: r.sync_id, reverse=True)
+        return ordered if limit is None else ordered[:limit]
+
+    def by_version(self, weight_version: int) -> SyncRecord | None:
+        matches = [r for r in self._records.values() if r.weight_version == weight_version]
+        return max(matches, key=lambda r: r.sync_id) if matches else None
+
+    def start(
+        self, *, weight_version: int, step: int, reason: str, path: str, sha256: str, expected: Iterable[str]
+    ) -> SyncRecord:
+        now = self.clock()
+        if self._active is not None:
+            old = self._active
+            old.state, old.ended_at = SUPERSEDED, now
+            self._save(old)
+            logger.info(
+                "sync %d (version %d) superseded by version %d; still pending: %s",
+                old.sync_id,
+                old.weight_version,
+                weight_version,
+                ", ".join(old.pending) or "none",
+            )
+        sync_id = max(self._records, default=0) + 1
+        record = SyncRecord(
+            sync_id=sync_id,
+            weight_version=weight_version,
+            step=step,
+            reason=reason,
+            path=path,
+            sha256=sha256,
+            started_at=now,
+            expected=sorted(expected),
+        )
+        self._records[sync_id] = record
+        self._active = record
+        logger.info(
+            "sync %d started: version %d (step %d, %s); waiting for %s",
+            sync_id,
+            weight_version,
+            step,
+            reason,
+            ", ".join(record.expected) or "no sampler",
+        )
+        self._finish_if_done(record)  # no live sampler: complete at once
+        self._save(record)
+        return record
+
+    def ack(self, sampler_id: str, weight_version: int) -> SyncRecord | None:
+        """Record an ack; returns the active sync when the ack counted for it."""
+        record = self._active
+        if record is None or sampler_id not in record.pending or weight_version < record.weight_version:
+            return None
+        record.acked.append(sampler_id)
+        self._finish_if_done(record)
+        self._save(record)
+        return record
+
+    def leave_out(self, sampler_id: str) -> SyncRecord | None:
+        """Stop waiting for `sampler_id` (timed out, failed to load, lost); returns the affected sync."""
+        record = self._active
+        if record is None or sampler_id not in record.pending:
+            return None
+        record.unhealthy.append(sampler_id)
+        self._finish_if_done(record)
+        self._save(record)
+        return record
+
+    def overdue(self, now: float | None = None) -> list[str]:
+        """Pending samplers of the active sync whose ack deadline has passed."""
+        record = self._active
+        now = self.clock() if now is None else now
+        if record is None or now - record.started_at <= self.ack_timeout_s:
+            return []
+        return record.pending
+
+    def _finish_if_done(self, record: SyncRecord) -> None:
+        if record.state == IN_PROGRESS and not record.pending:
+            record.state, record.ended_at = COMPLETE, self.clock()
+            self._active = None
+            logger.info(
+                "sync %d complete: version %d in %.2f s; acked: %s; unhealthy: %s",
+                record.sync_id,
+                record.weight_version,
+                record.duration_s,
+                ", ".join(record.acked) or "none",
+                ", ".join(record.unhealthy) or "none",
+            )
+
+
+class WeightBroadcaster:
+    """Delivers the latest weight update to every open subscription (asyncio, one event loop)."""
+
+    def __init__(self) -> None:
+        self._latest: WeightUpdateInfo | None = None
+        self._changed = asyncio.Condition()
+        self._closed = False
+
+    @property
+    def latest(self) -> WeightUpdateInfo | None:
+        return self._latest
+
+    async def publish(self, update: WeightUpdateInfo) -> None:
+        async with self._changed:
+            if self._latest is None or update.weight_version > self._latest.weight_version:
+                self._latest = update
+                self._changed.notify_all()
+
+    async def close(self) -> None:
+        """End every subscription."""
+        async with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    async def updates(self, after_version: int) -> AsyncIterator[WeightUpdateInfo]:
+        """Yield each latest update newer than the last one yielded (first: newer than `after_version`)."""
+        sent = after_version
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(functools.partial(self._newer_or_closed, sent))
+                if self._closed:
+                    return
+                update = self._latest
+            assert update is not None
+            sent = update.weight_version
+            yield update
+
+    def _newer_or_closed(self, sent_version: int) -> bool:
+        return self._closed or (self._latest is not None and self._latest.weight_version > sent_version)

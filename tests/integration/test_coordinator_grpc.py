@@ -1,0 +1,768 @@
+"""The coordinator served in-process (grpc.aio on a free port) over a real redis-server, driven through a
+real gRPC channel: every RPC, the sync policies, ack timeouts, restart persistence, argument and token
+errors, the stock health and reflection clients, TLS, and `dlcctl` against the live server."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from coordinator import dlcctl
+from coordinator.server import SERVICE_NAME, CoordinatorServer
+from coordinator.service import Coordinator, StartupError
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+from rlcommon import wire
+from rlcommon.bus import RedisConnection, stream_key
+from rlcommon.config import RunConfig, load_config
+from rlcommon.tokenizer import CharTokenizer
+
+B, G = 2, 2
+RUN_ID = "itest"
+SHA = "ab" * 32
+TOKEN = "s3cret-token"
+
+
+def make_config(**coordinator: object) -> RunConfig:
+    settings = {"batch_size": B, "group_size": G, "max_inflight_batches": 2, "port": 0, **coordinator}
+    return load_config(RunConfig, [], {"bus": {"run_id": RUN_ID}, "coordinator": settings})
+
+
+class Harness:
+    """A CoordinatorServer on its own event-loop thread, plus a blocking channel and stub to it."""
+
+    def __init__(self, cfg: RunConfig, redis_url: str) -> None:
+        self.cfg = cfg
+        self.conn = RedisConnection(redis_url, reconnect_max_s=2.0)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.coordinator = Coordinator(cfg, conn=self.conn, encode=CharTokenizer().encode)
+        self.server = CoordinatorServer(cfg, self.coordinator, host="127.0.0.1", port=0)
+        self._await(self.server.start())
+        self.address = self.server.address
+        self.channel = self._channel()
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.stopped = False
+
+    def _channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def _await(self, coro, timeout: float = 20.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        self.channel.close()
+        self._await(self.server.stop(grace_s=0.5))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+        self.conn.close()
+
+
+@pytest.fixture
+def start_server(redis_url):
+    started: list[Harness] = []
+
+    def start(**coordinator: object) -> Harness:
+        harness = Harness(make_config(**coordinator), redis_url)
+        started.append(harness)
+        return harness
+
+    yield start
+    for harness in reversed(started):
+        harness.stop()
+
+
+@pytest.fixture
+def server(start_server) -> Harness:
+    return start_server(sync_policy="never")
+
+
+def auth(token: str = TOKEN) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def rpc_error(fn, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        fn(*args, **kwargs)
+    return err.value
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not reached in time")
+
+
+class Subscription:
+    """A SubscribeWeightUpdates stream read on a thread into a queue."""
+
+    def __init__(self, stub, sampler_id: str, weight_version: int, metadata=()) -> None:
+        self.call = stub.SubscribeWeightUpdates(
+            pb.SubscribeWeightUpdatesRequest(sampler_id=sampler_id, weight_version=weight_version),
+            metadata=metadata,
+        )
+        self.updates: queue.Queue = queue.Queue()
+        self.error: grpc.RpcError | None = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for update in self.call:
+                self.updates.put(update)
+        except grpc.RpcError as err:
+            self.error = err
+
+    def next(self, timeout: float = 5.0) -> pb.WeightUpdate:
+        return self.updates.get(timeout=timeout)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self.thread.join(5)
+
+
+def register(stub, sampler_id: str, version: int = 0) -> pb.RegisterSamplerResponse:
+    return stub.RegisterSampler(
+        pb.RegisterSamplerRequest(sampler_id=sampler_id, weight_version=version, hostname="host", pid=123)
+    )
+
+
+def announce(stub, version: int, step: int = 1, **kwargs) -> pb.AnnouncePublishedResponse:
+    return stub.AnnouncePublished(
+        pb.AnnouncePublishedRequest(
+            weight_version=version, path=f"/w/v{version:06d}", sha256=SHA, step=step, **kwargs
+        )
+    )
+
+
+def report(
+    stub, step: int, batch_id: int, ess_lag: float | None = None, version: int = 0
+) -> pb.ReportStepResponse:
+    stats = {"reward_mean": 0.5} if ess_lag is None else {"ess_lag": ess_lag, "reward_mean": 0.5}
+    return stub.ReportStep(
+        pb.ReportStepRequest(step=step, batch_id=batch_id, weight_version=version, stats=stats)
+    )
+
+
+def tasks_in_stream(harness: Harness) -> list[wire.Task]:
+    entries = harness.conn.client.xrange(stream_key(RUN_ID, "tasks"))
+    return [wire.decode(fields[b"d"], expected=wire.Task) for _, fields in entries]
+
+
+# --------------------------------------------------------------------------------- stock clients
+
+
+def test_health_and_reflection_answer_stock_clients(server):
+    health = health_pb2_grpc.HealthStub(server.channel)
+    for service in ("", SERVICE_NAME):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    reflection = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME),
+    ]
+    listed, described = list(reflection.ServerReflectionInfo(iter(requests), timeout=5))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert described.file_descriptor_response.file_descriptor_proto  # the proto, for grpcurl
+
+
+# ------------------------------------------------------------------------------------- samplers
+
+
+def test_sampler_register_heartbeat_subscribe_ack(server):
+    stub = server.stub
+    reply = register(stub, "sampler-0")
+    assert reply.published_version == 0 and not reply.HasField("latest")
+    assert reply.sampler.health == pb.SAMPLER_HEALTHY and reply.run_id == RUN_ID
+    hb = stub.Heartbeat(
+        pb.HeartbeatRequest(sampler_id="sampler-0", weight_version=0, num_inflight_tasks=2, num_rollouts=10)
+    )
+    assert hb.published_version == 0 and hb.health == pb.SAMPLER_HEALTHY
+
+    sub = Subscription(stub, "sampler-0", 0)
+    wait_until(lambda: stub.ListSamplers(pb.ListSamplersRequest()).samplers[0].subscribed)
+    sync = announce(stub, 1, step=3).sync
+    assert sync.state == pb.SYNC_IN_PROGRESS and list(sync.expected_samplers) == ["sampler-0"]
+    update = sub.next()
+    assert (update.weight_version, update.path, update.sha256, update.step, update.sync_id) == (
+        1,
+        "/w/v000001",
+        SHA,
+        3,
+        sync.sync_id,
+    )
+    ack = stub.AckWeightVersion(
+        pb.AckWeightVersionRequest(sampler_id="sampler-0", weight_version=1, load_s=0.2)
+    )
+    assert ack.published_version == 1 and ack.sync_complete
+    history = stub.ListSyncs(pb.ListSyncsRequest())
+    assert history.total == 1
+    record = history.syncs[0]
+    assert record.state == pb.SYNC_COMPLETE and list(record.acked_samplers) == ["sampler-0"]
+    assert record.ended_at >= record.started_at > 0 and record.duration_s >= 0
+    info = stub.ListSamplers(pb.ListSamplersRequest()).samplers[0]
+    assert (info.sampler_id, info.weight_version, info.health, info.num_rollouts) == (
+        "sampler-0",
+        1,
+        pb.SAMPLER_HEALTHY,
+        10,
+    )
+    sub.cancel()
+    wait_until(lambda: not stub.ListSamplers(pb.ListSamplersRequest()).samplers[0].subscribed)
+
+
+def test_a_sampler_behind_gets_the_latest_version_at_once(server):
+    stub = server.stub
+    announce(stub, 1)
+    announce(stub, 2, step=5)
+    reply = register(stub, "late", version=0)
+    assert reply.published_version == 2 and reply.latest.weight_version == 2
+    behind = Subscription(stub, "late", 0)
+    assert behind.next().weight_version == 2  # only the latest, not a backlog
+    current = Subscription(stub, "late", 2)
+    with pytest.raises(queue.Empty):
+        current.next(timeout=0.3)  # up to date: nothing until the next version
+    announce(stub, 3)
+    assert current.next().weight_version == 3 and behind.next().weight_version == 3
+    behind.cancel()
+    current.cancel()
+
+
+def test_sync_without_live_samplers_completes_at_once(server):
+    sync = announce(server.stub, 1).sync
+    assert sync.state == pb.SYNC_COMPLETE and not sync.expected_samplers
+
+
+def test_reannounce_is_idempotent_and_a_newer_version_supersedes(server):
+    stub = server.stub
+    register(stub, "s0")
+    first = announce(stub, 1).sync
+    again = announce(stub, 1).sync
+    assert again.sync_id == first.sync_id
+    second = announce(stub, 2).sync
+    history = {s.sync_id: s for s in stub.ListSyncs(pb.ListSyncsRequest()).syncs}
+    assert history[first.sync_id].state == pb.SYNC_SUPERSEDED
+    assert history[second.sync_id].state == pb.SYNC_IN_PROGRESS
+    err = rpc_error(announce, stub, 1)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("weight_version: ")
+
+
+def test_a_sampler_that_does_not_ack_is_marked_unhealthy(start_server):
+    harness = start_server(sync_policy="never", sync_ack_timeout_s=0.3)
+    stub = harness.stub
+    register(stub, "fast")
+    register(stub, "slow")
+    sync = announce(stub, 1).sync
+    assert list(sync.expected_samplers) == ["fast", "slow"]
+    stub.AckWeightVersion(pb.AckWeightVersionRequest(sampler_id="fast", weight_version=1))
+    status = stub.GetStatus(pb.GetStatusRequest())
+    assert status.HasField("sync_in_progress")  # still waiting for "slow"
+    done = wait_until(
+        lambda: (s := stub.ListSyncs(pb.ListSyncsRequest()).syncs[0]).state == pb.SYNC_COMPLETE and s
+    )
+    assert list(done.acked_samplers) == ["fast"] and list(done.unhealthy_samplers) == ["slow"]
+    assert done.duration_s >= 0.3
+    samplers = {s.sampler_id: s for s in stub.ListSamplers(pb.ListSamplersRequest()).samplers}
+    assert (
+        samplers["slow"].health == pb.SAMPLER_UNHEALTHY
+        and "no ack of version 1" in samplers["slow"].health_detail
+    )
+    assert samplers["fast"].health == pb.SAMPLER_HEALTHY
+    # A late ack of the published version makes it healthy again.
+    stub.AckWeightVersion(pb.AckWeightVersionRequest(sampler_id="slow", weight_version=1))
+    samplers = {s.sampler_id: s for s in stub.ListSamplers(pb.ListSamplersRequest()).samplers}
+    assert samplers["slow"].health == pb.SAMPLER_HEALTHY
+
+
+def test_a_failed_load_leaves_the_sampler_out_of_the_sync(server):
+    stub = server.stub
+    register(stub, "s0")
+    announce(stub, 1)
+    ack = stub.AckWeightVersion(
+        pb.AckWeightVersionRequest(sampler_id="s0", weight_version=1, error="sha mismatch")
+    )
+    assert ack.sync_complete
+    info = stub.ListSamplers(pb.ListSamplersRequest()).samplers[0]
+    assert (
+        info.health == pb.SAMPLER_UNHEALTHY
+        and "sha mismatch" in info.health_detail
+        and info.weight_version == 0
+    )
+
+
+def test_a_lost_sampler_is_not_waited_for(start_server):
+    harness = start_server(sync_policy="never", sampler_heartbeat_timeout_s=0.3)
+    stub = harness.stub
+    register(stub, "gone")
+    register(stub, "alive")
+    time.sleep(0.4)
+    stub.Heartbeat(pb.HeartbeatRequest(sampler_id="alive", weight_version=0))
+    sync = announce(stub, 1).sync
+    assert list(sync.expected_samplers) == ["alive"]
+    samplers = {s.sampler_id: s for s in stub.GetStatus(pb.GetStatusRequest()).samplers}
+    assert samplers["gone"].health == pb.SAMPLER_LOST and "no heartbeat" in samplers["gone"].health_detail
+
+
+# -------------------------------------------------------------------------------------- trainer
+
+
+def test_ess_policy_threshold_crossing_and_ledger(start_server):
+    harness = start_server(sync_policy="ess", ess_threshold=0.5)
+    stub = harness.stub
+    keep = report(stub, step=1, batch_id=0, ess_lag=0.9)
+    assert not keep.publish and keep.reason == "ess: ess_lag 0.9 >= 0.5"
+    assert keep.next_weight_version == 1
+    assert (keep.batches.trained, keep.batches.total, keep.batches.trained_through) == (1, 3, 0)
+    publish = report(stub, step=2, batch_id=1, ess_lag=0.42)
+    assert publish.publish and publish.reason == "ess: ess_lag 0.42 < 0.5"
+    sync = announce(stub, 1, step=2).sync
+    assert sync.reason == "ess: ess_lag 0.42 < 0.5"  # the reason of the answer that asked to publish
+    status = stub.GetStatus(pb.GetStatusRequest())
+    assert status.last_ess_lag == pytest.approx(0.42) and status.published_version == 1
+    assert status.last_step.step == 2 and status.last_step.publish
+    err = rpc_error(report, stub, step=3, batch_id=2)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(
+        "stats.ess_lag: missing"
+    )
+
+
+def test_ess_policy_does_not_publish_over_a_sync_in_progress(start_server):
+    harness = start_server(sync_policy="ess", max_inflight_batches=4)
+    stub = harness.stub
+    register(stub, "s0")
+    assert report(stub, step=1, batch_id=0, ess_lag=0.3).publish
+    announce(stub, 1, step=1)
+    waiting = report(stub, step=2, batch_id=1, ess_lag=0.2)
+    assert not waiting.publish and "sync of version 1 is still in progress" in waiting.reason
+    stub.AckWeightVersion(pb.AckWeightVersionRequest(sampler_id="s0", weight_version=1))
+    assert report(stub, step=3, batch_id=2, ess_lag=0.2).publish
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [("every_k", [False, True, False, True]), ("always", [True] * 4), ("never", [False] * 4)],
+)
+def test_policy_decisions(start_server, policy, expected):
+    harness = start_server(sync_policy=policy, sync_every_k=2, max_inflight_batches=4)
+    answers = [report(harness.stub, step=k + 1, batch_id=k).publish for k in range(4)]
+    assert answers == expected
+
+
+def test_manual_trigger_answers_the_next_report(server):
+    stub = server.stub
+    reply = stub.TriggerSync(pb.TriggerSyncRequest(reason="eval checkpoint"))
+    assert list(reply.pending_reasons) == ["eval checkpoint"]
+    assert list(stub.GetStatus(pb.GetStatusRequest()).pending_manual_triggers) == ["eval checkpoint"]
+    answer = report(stub, step=1, batch_id=0)
+    assert answer.publish and answer.reason == "manual: eval checkpoint"
+    assert not report(stub, step=2, batch_id=1).publish  # consumed; back to policy "never"
+    assert not stub.GetStatus(pb.GetStatusRequest()).pending_manual_triggers
+
+
+def test_a_retried_report_gets_the_same_answer(server):
+    stub = server.stub
+    stub.TriggerSync(pb.TriggerSyncRequest(reason="once"))
+    first = report(stub, step=1, batch_id=0)
+    retry = report(stub, step=1, batch_id=0)
+    assert (retry.publish, retry.reason) == (first.publish, first.reason) == (True, "manual: once")
+    assert retry.batches.total == first.batches.total
+
+
+def test_batches_are_trained_in_plan_order(server):
+    err = rpc_error(report, server.stub, step=1, batch_id=1)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details().startswith("batch_id: batches are trained in plan order")
+
+
+def test_batch_plan_completion_and_listing(server):
+    stub = server.stub
+    plan = stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=1)).plan
+    assert (
+        plan.summary.status == pb.BATCH_PLANNED
+        and plan.summary.num_groups == B
+        and plan.summary.group_size == G
+    )
+    assert [g.prompt_index for g in plan.groups] == [2, 3]
+    assert [g.task_id for g in plan.groups] == ["b1-g0", "b1-g1"]
+    assert all(g.num_prompt_tokens > 0 and "answer" in g.payload for g in plan.groups)
+    stream = {t.task_id: t for t in tasks_in_stream(server)}
+    assert CharTokenizer().decode(stream["b1-g0"].prompt_ids.tolist()) == plan.groups[0].prompt
+
+    done = stub.MarkBatchComplete(pb.MarkBatchCompleteRequest(batch_id=1, num_rollouts=B * G)).batch
+    assert done.status == pb.BATCH_COMPLETE and done.complete_at > 0
+    complete = stub.ListBatches(pb.ListBatchesRequest(status=pb.BATCH_COMPLETE))
+    assert [b.batch_id for b in complete.batches] == [1]
+    assert (complete.counts.planned, complete.counts.complete, complete.counts.total) == (1, 1, 2)
+    every = stub.ListBatches(pb.ListBatchesRequest())
+    assert [b.batch_id for b in every.batches] == [0, 1]
+
+    report(stub, step=1, batch_id=0)
+    counts = stub.GetStatus(pb.GetStatusRequest()).batches
+    assert (counts.planned, counts.complete, counts.trained, counts.total) == (1, 1, 1, 3)
+    assert len(tasks_in_stream(server)) == 3 * B
+    err = rpc_error(stub.MarkBatchComplete, pb.MarkBatchCompleteRequest(batch_id=2, num_rollouts=3))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("num_rollouts: ")
+
+
+def test_status_reports_queue_depths(server):
+    status = server.stub.GetStatus(pb.GetStatusRequest())
+    assert status.queues.tasks == 2 * B  # nobody consumed the planned tasks yet
+    assert status.queues.rollouts == 0 and status.queues.deadletter == 0
+    assert (status.batch_size, status.group_size, status.max_inflight_batches) == (B, G, 2)
+    assert status.sync_policy_detail == "never publish (manual syncs only)"
+    assert status.run_id == RUN_ID and status.sync_policy == "never" and not status.HasField("last_ess_lag")
+
+
+# ---------------------------------------------------------------------------------- persistence
+
+
+def test_a_restarted_coordinator_resumes_without_replanning(start_server):
+    first = start_server(sync_policy="every_k", sync_every_k=2)
+    stub = first.stub
+    register(stub, "s0")
+    report(stub, step=1, batch_id=0)
+    answer = report(stub, step=2, batch_id=1)
+    assert answer.publish
+    announce(stub, 1, step=2)
+    stub.AckWeightVersion(pb.AckWeightVersionRequest(sampler_id="s0", weight_version=1))
+    stub.MarkBatchComplete(pb.MarkBatchCompleteRequest(batch_id=2))
+    stub.TriggerSync(pb.TriggerSyncRequest(reason="after restart"))
+    before = stub.GetStatus(pb.GetStatusRequest())
+    plan_before = stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=3)).plan
+    tasks_before = [t.task_id for t in tasks_in_stream(first)]
+    first.stop()
+
+    second = start_server(sync_policy="every_k", sync_every_k=2)
+    stub = second.stub
+    after = stub.GetStatus(pb.GetStatusRequest())
+    assert after.published_version == before.published_version == 1
+    assert after.trainer_version == before.trainer_version
+    assert after.batches == before.batches
+    assert (after.batches.total, after.batches.trained, after.batches.complete) == (4, 2, 1)
+    assert after.last_step == before.last_step
+    assert list(after.pending_manual_triggers) == ["after restart"]
+    assert [s.sampler_id for s in after.samplers] == ["s0"] and after.samplers[0].weight_version == 1
+    assert stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=3)).plan == plan_before
+    assert [t.task_id for t in tasks_in_stream(second)] == tasks_before  # nothing re-created
+    syncs = stub.ListSyncs(pb.ListSyncsRequest()).syncs
+    assert len(syncs) == 1 and syncs[0].state == pb.SYNC_COMPLETE
+    # The run continues where it left off; a sampler subscribing behind gets version 1.
+    assert report(stub, step=3, batch_id=2).reason == "manual: after restart"
+    assert [t.task_id for t in tasks_in_stream(second)][-B:] == ["b4-g0", "b4-g1"]
+    late = Subscription(stub, "s0", 0)
+    assert late.next().weight_version == 1
+    late.cancel()
+
+
+def test_a_restart_with_other_plan_settings_is_refused(start_server, redis_url):
+    start_server().stop()
+    cfg = make_config(batch_size=B + 1)
+    conn = RedisConnection(redis_url, reconnect_max_s=2.0)
+    coordinator = Coordinator(cfg, conn=conn, encode=CharTokenizer().encode)
+    with pytest.raises(StartupError, match="batch_size: run has 2, config has 3"):
+        coordinator.start()
+    conn.close()
+
+
+def test_a_second_coordinator_on_the_same_run_is_refused(server, redis_url):
+    conn = RedisConnection(redis_url, reconnect_max_s=2.0)
+    coordinator = Coordinator(server.cfg, conn=conn, encode=CharTokenizer().encode)
+    with pytest.raises(StartupError, match="held by another coordinator"):
+        coordinator.start(lock_wait_s=0.2)
+    conn.close()
+
+
+# ----------------------------------------------------------------------------------- bad calls
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "field"),
+    [
+        ("RegisterSampler", pb.RegisterSamplerRequest(sampler_id=""), "sampler_id"),
+        ("RegisterSampler", pb.RegisterSamplerRequest(sampler_id="bad id!"), "sampler_id"),
+        ("RegisterSampler", pb.RegisterSamplerRequest(sampler_id="s", weight_version=-1), "weight_version"),
+        (
+            "AnnouncePublished",
+            pb.AnnouncePublishedRequest(weight_version=-3, path="/w", sha256=SHA),
+            "weight_version",
+        ),
+        ("AnnouncePublished", pb.AnnouncePublishedRequest(weight_version=1, path="", sha256=SHA), "path"),
+        (
+            "AnnouncePublished",
+            pb.AnnouncePublishedRequest(weight_version=1, path="/w", sha256="xyz"),
+            "sha256",
+        ),
+        (
+            "AnnouncePublished",
+            pb.AnnouncePublishedRequest(weight_version=1, path="/w", sha256=SHA, step=-1),
+            "step",
+        ),
+        ("ReportStep", pb.ReportStepRequest(step=1, batch_id=99), "batch_id"),
+        ("ReportStep", pb.ReportStepRequest(step=-1, batch_id=0), "step"),
+        ("ReportStep", pb.ReportStepRequest(step=1, batch_id=0, weight_version=-2), "weight_version"),
+        ("MarkBatchComplete", pb.MarkBatchCompleteRequest(batch_id=-1), "batch_id"),
+        ("GetBatchPlan", pb.GetBatchPlanRequest(batch_id=42), "batch_id"),
+        ("ListSyncs", pb.ListSyncsRequest(limit=-1), "limit"),
+        ("TriggerSync", pb.TriggerSyncRequest(reason="  "), "reason"),
+        ("AckWeightVersion", pb.AckWeightVersionRequest(sampler_id="s0", weight_version=5), "weight_version"),
+    ],
+)
+def test_invalid_arguments_name_the_field(server, method, request_, field):
+    register(server.stub, "s0")
+    err = rpc_error(getattr(server.stub, method), request_)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(f"{field}: "), err.details()
+
+
+def test_unknown_sampler_is_not_found(server):
+    for call, request in [
+        (server.stub.Heartbeat, pb.HeartbeatRequest(sampler_id="ghost")),
+        (server.stub.AckWeightVersion, pb.AckWeightVersionRequest(sampler_id="ghost")),
+    ]:
+        err = rpc_error(call, request)
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "call RegisterSampler first" in err.details()
+    sub = Subscription(server.stub, "ghost", 0)
+    sub.thread.join(5)
+    assert sub.error is not None and sub.error.code() == grpc.StatusCode.NOT_FOUND
+
+
+# --------------------------------------------------------------------------------------- auth/TLS
+
+
+def test_state_changing_calls_need_the_token(start_server):
+    harness = start_server(sync_policy="never", auth_token=TOKEN)
+    stub = harness.stub
+    missing = rpc_error(stub.TriggerSync, pb.TriggerSyncRequest(reason="x"))
+    assert missing.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization" in missing.details()
+    wrong = rpc_error(stub.TriggerSync, pb.TriggerSyncRequest(reason="x"), metadata=auth("nope"))
+    assert wrong.code() == grpc.StatusCode.UNAUTHENTICATED and wrong.details() == "invalid token"
+    not_bearer = rpc_error(stub.ReportStep, pb.ReportStepRequest(), metadata=(("authorization", TOKEN),))
+    assert not_bearer.code() == grpc.StatusCode.UNAUTHENTICATED
+    for call, request in [
+        (stub.RegisterSampler, pb.RegisterSamplerRequest(sampler_id="s0")),
+        (stub.Heartbeat, pb.HeartbeatRequest(sampler_id="s0")),
+        (stub.AckWeightVersion, pb.AckWeightVersionRequest(sampler_id="s0")),
+        (stub.ReportStep, pb.ReportStepRequest(batch_id=0)),
+        (stub.MarkBatchComplete, pb.MarkBatchCompleteRequest(batch_id=0)),
+        (stub.AnnouncePublished, pb.AnnouncePublishedRequest(weight_version=1, path="/w", sha256=SHA)),
+    ]:
+        assert rpc_error(call, request).code() == grpc.StatusCode.UNAUTHENTICATED
+    sub = Subscription(stub, "s0", 0)
+    sub.thread.join(5)
+    assert sub.error is not None and sub.error.code() == grpc.StatusCode.UNAUTHENTICATED
+    # With the token everything works; reads need none.
+    assert stub.TriggerSync(pb.TriggerSyncRequest(reason="ok"), metadata=auth()).pending_reasons == ["ok"]
+    assert stub.RegisterSampler(
+        pb.RegisterSamplerRequest(sampler_id="s0"), metadata=auth()
+    ).sampler.sampler_id
+    assert stub.GetStatus(pb.GetStatusRequest()).pending_manual_triggers == ["ok"]
+    assert stub.ListSyncs(pb.ListSyncsRequest()).total == 0
+    health = health_pb2_grpc.HealthStub(harness.channel).Check(health_pb2.HealthCheckRequest())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make a test certificate")
+def test_tls(start_server, tmp_path: Path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    harness = start_server(tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN)
+    out = io.StringIO()
+    code = dlcctl.main(
+        [
+            "--address",
+            harness.address,
+            "--tls-ca",
+            str(cert),
+            "--token",
+            TOKEN,
+            "sync",
+            "--reason",
+            "over tls",
+        ],
+        out=out,
+    )
+    assert code == 0, out.getvalue()
+    plain = io.StringIO()
+    err = io.StringIO()
+    assert dlcctl.main(["--address", harness.address, "--timeout", "2", "status"], out=plain, err=err) == 1
+    assert "UNAVAILABLE" in err.getvalue()
+
+
+# ------------------------------------------------------------------------------------------ dlcctl
+
+
+def run_dlcctl(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = dlcctl.main(list(args), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_dlcctl_against_the_live_server(start_server, monkeypatch):
+    harness = start_server(sync_policy="ess", auth_token=TOKEN)
+    stub = harness.stub
+    stub.RegisterSampler(
+        pb.RegisterSamplerRequest(sampler_id="sampler-0", hostname="node1", pid=42), metadata=auth()
+    )
+    stub.ReportStep(pb.ReportStepRequest(step=1, batch_id=0, stats={"ess_lag": 0.8}), metadata=auth())
+    monkeypatch.setenv("DLC_ADDRESS", harness.address)
+    for name in ("DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN", "DLC_COORDINATOR__ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+
+    code, out, _ = run_dlcctl("status")
+    assert code == 0
+    assert "published version  0" in out and "last ess_lag" in out and "0.8000" in out
+    assert "sampler-0" in out and "healthy" in out and "node1:42" in out
+
+    code, out, _ = run_dlcctl("status", "--json")
+    data = json.loads(out)
+    assert data["run_id"] == RUN_ID and data["last_ess_lag"] == 0.8 and data["published_version"] == 0
+    assert data["batches"]["trained"] == 1 and data["samplers"][0]["health"] == "SAMPLER_HEALTHY"
+    assert data["sync_in_progress"] is None
+
+    code, out, _ = run_dlcctl("--json", "samplers")
+    assert code == 0 and "sampler-0" in out
+    code, out, _ = run_dlcctl("samplers")
+    assert code == 0 and out.startswith("SAMPLER")
+
+    code, out, _ = run_dlcctl("plan", "1")
+    assert code == 0 and "batch 1: planned" in out and "b1-g0" in out
+    code, out, _ = run_dlcctl("plan", "1", "--json")
+    assert json.loads(out)["plan"]["groups"][1]["task_id"] == "b1-g1"
+
+    code, _, err = run_dlcctl("sync", "--reason", "look at it")
+    assert code == 1 and "UNAUTHENTICATED" in err and "--token" in err
+    monkeypatch.setenv("DLC_TOKEN", TOKEN)
+    code, out, _ = run_dlcctl("sync", "--reason", "look at it")
+    assert code == 0 and "manual: look at it" in out
+    answer = stub.ReportStep(
+        pb.ReportStepRequest(step=2, batch_id=1, stats={"ess_lag": 0.9}), metadata=auth()
+    )
+    assert answer.publish and answer.reason == "manual: look at it"
+    stub.AnnouncePublished(
+        pb.AnnouncePublishedRequest(weight_version=1, path="/w/v1", sha256=SHA, step=2), metadata=auth()
+    )
+
+    code, out, _ = run_dlcctl("syncs")
+    assert code == 0 and "manual: look at it" in out and "in_progress" in out
+    code, out, _ = run_dlcctl("syncs", "--json")
+    assert json.loads(out)["syncs"][0]["weight_version"] == 1
+    code, out, _ = run_dlcctl("batches", "--status", "trained")
+    assert code == 0 and "trained" in out
+
+    code, _, err = run_dlcctl("plan", "99")
+    assert code == 1 and "INVALID_ARGUMENT: batch_id: batch 99 is not planned" in err
+    code, _, err = run_dlcctl("--address", "127.0.0.1:1", "--timeout", "1", "status")
+    assert code == 1 and "cannot reach the coordinator at 127.0.0.1:1" in err
+    assert run_dlcctl("bogus")[0] == 2
+
+
+# ----------------------------------------------------------------------------------------- process
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def coordinator_process(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("DLC_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_python_m_coordinator_serves_until_sigterm(redis_url, tmp_path):
+    proc = coordinator_process(
+        "--port",
+        "0",
+        f"--redis.url={redis_url}",
+        f"--run_dir={tmp_path}",
+        "--bus.run_id",
+        "proc",
+        "--coordinator.batch_size",
+        "2",
+    )
+    try:
+        address = None
+        lines = []
+        deadline = time.monotonic() + 30
+        while address is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if " serving on " in line:
+                address = line.split(" serving on ")[1].split()[0]
+        assert address is not None, "".join(lines)
+        code, out, _ = run_dlcctl("--address", address, "status")
+        assert code == 0 and "run                proc" in out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, rest
+    assert "stopped" in rest
+
+
+def test_python_m_coordinator_fatal_errors_exit_non_zero(tmp_path):
+    bad_config = coordinator_process("--coordinator.batch_size", "0")
+    out, _ = bad_config.communicate(timeout=30)
+    assert bad_config.returncode == 2 and "coordinator: error: invalid configuration" in out
+    assert "coordinator.batch_size" in out
+    no_redis = coordinator_process(
+        "--redis.url", "redis://127.0.0.1:1/0", "--redis.reconnect_max_s", "0.3", f"--run_dir={tmp_path}"
+    )
+    out, _ = no_redis.communicate(timeout=30)
+    assert (
+        no_redis.returncode == 1 and "coordinator: error: redis at redis://127.0.0.1:1/0 unreachable" in out
+    )
