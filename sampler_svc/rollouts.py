@@ -1,0 +1,135 @@
+"""Where a rollout is made: one Task in, G samples from the engine, one wire `Rollout` per sample.
+
+Each rollout carries exactly the engine's tokens and processed logprobs, the reward of the task's
+reward function on the decoded response, and the weight version that generated every one of its tokens.
+The request seed derives from the sampler's base seed and the task id, so a redelivered task is sampled
+with the same seeds, and `rollout_id` names the slot (task, sample index): the trainer keeps one rollout
+per slot however often a task is redelivered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rlcommon.config import WireLimits
+from rlcommon.rewards import reward
+from rlcommon.wire import Rollout, Task, validate
+
+if TYPE_CHECKING:
+    from sampler_svc.engine import Sample, SamplerEngine
+
+__all__ = ["build_rollouts", "generate_rollouts", "rollout_id", "task_seed"]
+
+logger = logging.getLogger(__name__)
+
+SEED_BITS = 48
+"""Task seeds are in [0, 2**48): room for vLLM's per-sample `seed + index` in a 64-bit generator seed."""
+
+
+def task_seed(base_seed: int, task_id: str) -> int:
+    """The vLLM request seed of a task: a hash of the sampler's base seed and the task id."""
+    digest = hashlib.blake2b(f"{base_seed}:{task_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+
+
+def rollout_id(task_id: str, sample_index: int) -> str:
+    """Idempotency key of a rollout: its slot in the plan, `"{task_id}:{sample_index}"`.
+
+    The weight version is deliberately not part of it: a task redelivered after a sync must not produce
+    a second rollout for the same slot.
+    """
+    return f"{task_id}:{sample_index}"
+
+
+def _payload_str(task: Task, key: str) -> str:
+    value = task.payload.get(key)
+    if value is None:
+        raise ValueError(f"task {task.task_id}: payload has no {key!r} (needed for the reward)")
+    return str(value)
+
+
+def build_rollouts(
+    task: Task,
+    samples: list[Sample],
+    *,
+    sampler_id: str,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    limits: WireLimits | None = None,
+) -> list[Rollout]:
+    """One validated wire Rollout per sample of `task`, with the reward of the task's payload.
+
+    Raises ValueError when the payload lacks `kind`/`answer` or names an unknown reward kind, and
+    `rlcommon.wire.WireError` when a rollout would not pass the bus's validation.
+    """
+    kind, answer = _payload_str(task, "kind"), _payload_str(task, "answer")
+    prompt_ids = np.asarray(task.prompt_ids, dtype=np.int32)
+    rollouts = []
+    for sample in samples:
+        started = time.perf_counter()
+        score = reward(kind, sample.text, answer)
+        rollout = Rollout(
+            rollout_id=rollout_id(task.task_id, sample.sample_index),
+            batch_id=task.batch_id,
+            group_id=task.group_id,
+            sample_index=sample.sample_index,
+            weight_version=sample.weight_version,
+            sampler_id=sampler_id,
+            prompt_ids=prompt_ids,
+            response_ids=sample.response_ids,
+            sampler_logprobs=sample.sampler_logprobs,
+            topk_ids=sample.topk_ids,
+            topk_logprobs=sample.topk_logprobs,
+            reward=float(score),
+            finish_reason=sample.finish_reason,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            timings={
+                "queue_s": sample.queue_s,
+                "generate_s": sample.generate_s,
+                "reward_s": time.perf_counter() - started,
+            },
+        )
+        validate(rollout, limits=limits)
+        rollouts.append(rollout)
+    return rollouts
+
+
+async def generate_rollouts(
+    engine: SamplerEngine,
+    task: Task,
+    *,
+    sampler_id: str,
+    limits: WireLimits | None = None,
+) -> list[Rollout]:
+    """Sample the task's G = group_size responses with one engine request and build their rollouts.
+
+    All G samples come from one weight version (the engine swaps weights only between requests).
+    """
+    seed = task_seed(engine.sampler_cfg.seed, task.task_id)
+    samples = await engine.generate(task.prompt_ids, num_samples=task.group_size, seed=seed)
+    sampling = engine.sampling_cfg
+    rollouts = build_rollouts(
+        task,
+        samples,
+        sampler_id=sampler_id,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        limits=limits,
+    )
+    logger.debug(
+        "task %s: %d rollouts at weight version %d, rewards %s",
+        task.task_id,
+        len(rollouts),
+        rollouts[0].weight_version,
+        [r.reward for r in rollouts],
+    )
+    return rollouts

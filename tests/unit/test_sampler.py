@@ -1,0 +1,298 @@
+"""Sampler pieces that need no vLLM engine: the version gate, top-K rows from vLLM-shaped outputs,
+rollout building, seeds and ids, and version-folder checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlcommon.config import SamplerConfig, SamplingConfig
+from rlcommon.weight_store import publish_version
+from rlcommon.wire import Task, WireError
+from sampler_svc.engine import EngineError, Sample, SamplerEngine, _VersionGate
+from sampler_svc.rollouts import build_rollouts, rollout_id, task_seed
+from sampler_svc.weights import NcclWeightReceiver, WeightsError, check_compatible, load_version
+
+# ------------------------------------------------------------------------------------------ version gate
+
+
+def test_swap_waits_for_inflight_and_holds_new_requests():
+    events: list[str] = []
+
+    async def scenario():
+        gate = _VersionGate()
+        first_in = asyncio.Event()
+        release_first = asyncio.Event()
+
+        async def request(
+            name: str, started: asyncio.Event | None = None, release: asyncio.Event | None = None
+        ):
+            async with gate.shared():
+                events.append(f"{name} start")
+                if started is not None:
+                    started.set()
+                if release is not None:
+                    await release.wait()
+                events.append(f"{name} end")
+
+        async def swap():
+            async with gate.exclusive():
+                events.append("swap")
+
+        first = asyncio.create_task(request("first", first_in, release_first))
+        await first_in.wait()
+        swapping = asyncio.create_task(swap())
+        await asyncio.sleep(0.01)
+        assert gate.swapping and gate.active == 1
+        second = asyncio.create_task(request("second"))
+        await asyncio.sleep(0.01)
+        assert events == ["first start"], "neither the swap nor a new request may run yet"
+        release_first.set()
+        await asyncio.gather(first, swapping, second)
+
+    asyncio.run(scenario())
+    assert events == ["first start", "first end", "swap", "second start", "second end"]
+
+
+# ------------------------------------------------------------------------------------ top-K rows (fake vLLM)
+
+
+@dataclass
+class FakeLogprob:
+    logprob: float
+
+
+@dataclass
+class FakeCompletion:
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, FakeLogprob]]
+    text: str = "x"
+    finish_reason: str = "stop"
+
+
+def fake_engine(k: int) -> SamplerEngine:
+    engine = SamplerEngine(
+        model_dir="/nonexistent", sampler=SamplerConfig(), sampling=SamplingConfig(logprobs_topk=k)
+    )
+    engine.topk, engine.vocab_size = k, 64
+    return engine
+
+
+def row(pairs: dict[int, float]) -> dict[int, FakeLogprob]:
+    return {tid: FakeLogprob(lp) for tid, lp in pairs.items()}
+
+
+def to_sample(engine: SamplerEngine, completion: FakeCompletion) -> Sample:
+    return engine._to_sample(completion, weight_version=3, seed=5, queue_s=0.0, generate_s=0.1)
+
+
+def test_sampled_token_outside_topk_replaces_the_kth_entry():
+    # vLLM returns the sampled token first, then the top-K: K+1 entries when it is outside the top-K.
+    completion = FakeCompletion(
+        index=0,
+        token_ids=[9, 4],
+        logprobs=[
+            row({9: -6.0, 1: -0.5, 2: -1.5, 3: -2.0}),  # sampled 9 is not in the top-3
+            row({4: -0.1, 5: -3.0, 6: -4.0}),  # sampled 4 is the top-1 (K entries)
+        ],
+    )
+    sample = to_sample(fake_engine(3), completion)
+    assert sample.topk_ids.tolist() == [[1, 2, 9], [4, 5, 6]]
+    np.testing.assert_allclose(sample.topk_logprobs, [[-0.5, -1.5, -6.0], [-0.1, -3.0, -4.0]])
+    np.testing.assert_allclose(sample.sampler_logprobs, [-6.0, -0.1])
+    assert sample.response_ids.dtype == np.int32 and sample.topk_logprobs.dtype == np.float32
+    assert sample.weight_version == 3 and sample.seed == 5
+
+
+def test_rows_keep_masked_tokens_as_neg_inf_and_clamp_float_error_above_zero():
+    completion = FakeCompletion(
+        index=0, token_ids=[7], logprobs=[row({7: 2e-7, 8: float("-inf"), 9: float("-inf")})]
+    )
+    sample = to_sample(fake_engine(3), completion)
+    assert sample.sampler_logprobs.tolist() == [0.0]
+    assert sample.topk_ids.tolist() == [[7, 8, 9]]
+    assert sample.topk_logprobs[0, 0] == 0.0 and np.isneginf(sample.topk_logprobs[0, 1:]).all()
+
+
+def test_missing_sampled_token_or_short_row_is_an_engine_error():
+    engine = fake_engine(3)
+    with pytest.raises(EngineError, match="lack the sampled token"):
+        to_sample(engine, FakeCompletion(index=0, token_ids=[7], logprobs=[row({1: -1.0, 2: -2.0, 3: -3.0})]))
+    with pytest.raises(EngineError, match="expected 3"):
+        to_sample(engine, FakeCompletion(index=0, token_ids=[7], logprobs=[row({7: -1.0, 2: -2.0})]))
+    with pytest.raises(EngineError, match="logprob rows"):
+        to_sample(engine, FakeCompletion(index=0, token_ids=[7, 8], logprobs=[row({7: -1.0})]))
+
+
+def test_generate_before_start_is_a_clear_error():
+    engine = fake_engine(3)
+    with pytest.raises(EngineError, match="start"):
+        asyncio.run(engine.generate([1, 2], num_samples=1, seed=0))
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+
+
+def make_task(**payload) -> Task:
+    return Task(
+        task_id="b0-g2",
+        batch_id=0,
+        group_id=2,
+        prompt_ids=np.array([5, 6, 7], dtype=np.int32),
+        group_size=2,
+        payload=payload or {"answer": "12", "kind": "arithmetic"},
+    )
+
+
+def make_sample(index: int, text: str, *, sampled_in_row: bool = True) -> Sample:
+    response = np.array([10, 11, 2], dtype=np.int32)
+    topk_ids = np.array([[10, 1], [11, 1], [2, 1]], dtype=np.int32)
+    if not sampled_in_row:
+        topk_ids[1] = [3, 1]
+    return Sample(
+        sample_index=index,
+        response_ids=response,
+        sampler_logprobs=np.array([-0.1, -0.2, -0.3], dtype=np.float32),
+        topk_ids=topk_ids,
+        topk_logprobs=np.array([[-0.1, -2.0], [-0.2, -2.5], [-0.3, -1.5]], dtype=np.float32),
+        text=text,
+        finish_reason="stop",
+        weight_version=4,
+        seed=100 + index,
+        queue_s=0.0,
+        generate_s=0.5,
+    )
+
+
+def test_build_rollouts_scores_and_labels_each_sample():
+    rollouts = build_rollouts(
+        make_task(),
+        [make_sample(0, "12"), make_sample(1, "13")],
+        sampler_id="s1",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+    )
+    assert [r.rollout_id for r in rollouts] == ["b0-g2:0", "b0-g2:1"]
+    assert [r.reward for r in rollouts] == [1.0, 0.0]
+    assert {r.weight_version for r in rollouts} == {4}
+    assert rollouts[0].group_id == 2 and rollouts[0].sampler_id == "s1"
+    assert rollouts[0].timings["generate_s"] == 0.5
+
+
+def test_build_rollouts_refuses_bad_payload_and_bad_rows():
+    with pytest.raises(ValueError, match="answer"):
+        build_rollouts(
+            make_task(kind="arithmetic"),
+            [make_sample(0, "1")],
+            sampler_id="s",
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+        )
+    with pytest.raises(ValueError, match="unknown reward kind"):
+        build_rollouts(
+            make_task(kind="poetry", answer="1"),
+            [make_sample(0, "1")],
+            sampler_id="s",
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+        )
+    with pytest.raises(WireError, match="topk_ids"):
+        build_rollouts(
+            make_task(),
+            [make_sample(0, "1", sampled_in_row=False)],
+            sampler_id="s",
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+        )
+
+
+def test_task_seed_is_deterministic_and_spread():
+    assert task_seed(0, "b1-g1") == task_seed(0, "b1-g1")
+    seeds = {task_seed(0, f"b{b}-g{g}") for b in range(50) for g in range(8)}
+    assert len(seeds) == 400
+    assert task_seed(1, "b1-g1") != task_seed(0, "b1-g1")
+    assert all(0 <= s < 2**48 for s in seeds)
+    assert rollout_id("t", 3) == "t:3"
+
+
+# ------------------------------------------------------------------------------------------ version folders
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
+    """A 1-layer random Qwen3 (not vLLM-served here) and its folder."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    model = Qwen3ForCausalLM(config)
+    folder = tmp_path_factory.mktemp("source")
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    return model, folder
+
+
+def test_load_version_accepts_a_good_folder_and_refuses_bad_ones(tmp_path, tiny_source):
+    model, source = tiny_source
+    published = publish_version(model, publish_dir=tmp_path, weight_version=1, step=7, source_dir=source)
+    info = load_version(
+        published.path, expected_version=1, expected_sha256=published.sha256, serving_model_dir=source
+    )
+    assert (info.weight_version, info.step, info.sha256) == (1, 7, published.sha256)
+
+    with pytest.raises(WeightsError, match="expected 2"):
+        load_version(published.path, expected_version=2)
+    with pytest.raises(WeightsError, match="announced"):
+        load_version(published.path, expected_sha256="f" * 64)
+
+    stray = Path(shutil.copytree(published.path, tmp_path / "v000003"))
+    manifest = json.loads((stray / "manifest.json").read_text())
+    manifest["weight_version"] = 3
+    (stray / "manifest.json").write_text(json.dumps(manifest))
+    load_version(stray)
+    shutil.copyfile(stray / "model.safetensors", stray / "other.safetensors")
+    with pytest.raises(WeightsError, match="not in the manifest"):
+        load_version(stray)
+
+    data = bytearray((Path(published.path) / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (Path(published.path) / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match="sha256 mismatch"):
+        load_version(published.path)
+
+
+def test_check_compatible_names_the_differing_keys(tmp_path, tiny_source):
+    _, source = tiny_source
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    config["hidden_size"] = 64
+    (other / "config.json").write_text(json.dumps(config))
+    check_compatible(source, source)
+    with pytest.raises(WeightsError, match="hidden_size: 32 -> 64"):
+        check_compatible(other, source)
+
+
+def test_nccl_receiver_needs_the_nccl_setting():
+    with pytest.raises(ValueError, match="weight_transfer = 'nccl'"):
+        NcclWeightReceiver(fake_engine(3))
