@@ -1,0 +1,200 @@
+"""Published weight versions on shared storage: `<publish_dir>/v{version:06d}/`.
+
+A version folder holds what vLLM and transformers load (model.safetensors, config.json,
+generation_config.json, the tokenizer files of the source model folder) and `manifest.json`:
+`{"weight_version", "step", "files": {name: sha256}}`. It is written into a temporary folder inside
+`publish_dir` and renamed into place (atomic on one filesystem), so a reader never sees a half-written
+version; `verify_version_folder` checks a folder against its manifest before anyone loads it. The sha256
+of manifest.json identifies the whole version (it covers every file's hash): it is what a WeightUpdate
+carries. torch and transformers are needed only by `publish_version`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MANIFEST_NAME",
+    "PublishedVersion",
+    "WeightsError",
+    "latest_version",
+    "manifest_sha256",
+    "publish_version",
+    "verify_version_folder",
+    "version_folder",
+]
+
+MANIFEST_NAME = "manifest.json"
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+# Files of the source model folder that are not copied (the published weights and config replace them).
+_NOT_COPIED = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.safetensors\.index\.json|\.bin\.index\.json)$")
+_WRITTEN_BY_MODEL = ("config.json", "generation_config.json", MANIFEST_NAME)
+
+
+class WeightsError(Exception):
+    """A version folder is missing, partial, or does not match its manifest (or cannot be published)."""
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    weight_version: int
+    step: int
+    path: str
+    """The version folder."""
+    sha256: str
+    """sha256 of its manifest.json (covers every file)."""
+
+
+def version_folder(publish_dir: str | os.PathLike[str], weight_version: int) -> Path:
+    """`<publish_dir>/v{weight_version:06d}`."""
+    return Path(publish_dir) / f"v{weight_version:06d}"
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of the manifest.json of version folder `path`."""
+    return _sha256_file(Path(path) / MANIFEST_NAME)
+
+
+def _fsync(path: Path) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and hasattr(os, "O_DIRECTORY") else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # some platforms cannot open folders
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_version(
+    model: Any,
+    *,
+    publish_dir: str | os.PathLike[str],
+    weight_version: int,
+    step: int,
+    source_dir: str | os.PathLike[str] | None = None,
+) -> PublishedVersion:
+    """Write the weights of `model` (a transformers PreTrainedModel) as version `weight_version`, atomically.
+
+    Tokenizer and other non-weight files are copied from `source_dir` (the model folder the run started
+    from). Raises WeightsError if the version already exists.
+    """
+    if weight_version < 0:
+        raise ValueError(f"weight_version must be >= 0, got {weight_version}")
+    publish_root = Path(publish_dir)
+    publish_root.mkdir(parents=True, exist_ok=True)
+    final = version_folder(publish_root, weight_version)
+    if final.exists():
+        raise WeightsError(f"{final}: weight version {weight_version} is already published")
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=publish_root))
+    try:
+        _save_model(model, tmp)
+        if source_dir is not None:
+            for source in sorted(Path(source_dir).iterdir()):
+                if source.is_file() and source.name not in _WRITTEN_BY_MODEL and not _NOT_COPIED.search(source.name):
+                    shutil.copyfile(source, tmp / source.name)
+        files = {p.name: _sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"weight_version": weight_version, "step": step, "files": files}
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        for path in tmp.iterdir():
+            _fsync(path)
+        os.chmod(tmp, 0o755)  # mkdtemp creates 0o700; samplers may run as another user
+        os.rename(tmp, final)
+        _fsync(publish_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PublishedVersion(
+        weight_version=weight_version, step=step, path=str(final), sha256=manifest_sha256(final)
+    )
+
+
+def _save_model(model: Any, folder: Path) -> None:
+    """model.save_pretrained (safetensors, tied weights and checkpoint key format handled), without progress bars."""
+    from transformers.utils import logging as hf_logging
+
+    bars_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder)
+    finally:
+        if bars_enabled:
+            hf_logging.enable_progress_bar()
+    if not any(p.suffix == ".safetensors" for p in folder.iterdir()):
+        raise WeightsError(f"save_pretrained wrote no .safetensors file into {folder}")
+
+
+def verify_version_folder(path: str | os.PathLike[str], *, expected_sha256: str | None = None) -> dict[str, Any]:
+    """Check a published version folder against its manifest; returns the manifest.
+
+    Raises WeightsError naming the problem: not a folder, not a `vNNNNNN` name (a temporary, partial
+    folder), no or unreadable manifest.json, a manifest whose version disagrees with the folder name,
+    no config.json or .safetensors listed, a listed file missing, a sha256 mismatch, or (when
+    `expected_sha256` is given) a manifest other than the announced one.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise WeightsError(f"{folder}: no such version folder")
+    match = _VERSION_DIR.match(folder.name)
+    if match is None:
+        raise WeightsError(f"{folder}: not a published version folder (expected v000123; a partial write?)")
+    manifest_path = folder / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise WeightsError(f"{folder}: no {MANIFEST_NAME} (partial or not a published version)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{manifest_path}: unreadable manifest ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+        raise WeightsError(f"{manifest_path}: manifest has no 'files' table")
+    if manifest.get("weight_version") != int(match.group(1)):
+        raise WeightsError(
+            f"{manifest_path}: weight_version {manifest.get('weight_version')!r} does not match folder {folder.name}"
+        )
+    if not isinstance(manifest.get("step"), int):
+        raise WeightsError(f"{manifest_path}: manifest has no integer 'step'")
+    files: dict[str, Any] = manifest["files"]
+    if "config.json" not in files or not any(name.endswith(".safetensors") for name in files):
+        raise WeightsError(f"{manifest_path}: manifest lists no config.json or no .safetensors weights")
+    if expected_sha256 is not None and _sha256_file(manifest_path) != expected_sha256:
+        raise WeightsError(f"{manifest_path}: sha256 differs from the announced {expected_sha256}")
+    for name, expected in sorted(files.items()):
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise WeightsError(f"{manifest_path}: bad file name {name!r}")
+        file_path = folder / name
+        if not file_path.is_file():
+            raise WeightsError(f"{folder}: file {name} listed in the manifest is missing (partial folder?)")
+        actual = _sha256_file(file_path)
+        if actual != expected:
+            raise WeightsError(f"{file_path}: sha256 mismatch (manifest {expected}, file {actual})")
+    return manifest
+
+
+def latest_version(publish_dir: str | os.PathLike[str]) -> int | None:
+    """The highest published version in `publish_dir` (folders `vNNNNNN` with a manifest), or None."""
+    root = Path(publish_dir)
+    if not root.is_dir():
+        return None
+    versions = [
+        int(match.group(1))
+        for entry in root.iterdir()
+        if (match := _VERSION_DIR.match(entry.name)) and (entry / MANIFEST_NAME).is_file()
+    ]
+    return max(versions, default=None)

@@ -1,0 +1,187 @@
+"""trainer_svc.logprobs and trainer_svc.snapshots: response log-probs of right-padded batches at the sampling
+temperature (sampled token and top-K ids, one forward), and l^v from kept weight versions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlcommon.wire import Rollout
+from tests.unit.trainer_helpers import VOCAB, tiny_model
+from trainer_svc.batch import build_batch
+from trainer_svc.logprobs import response_logprobs
+from trainer_svc.snapshots import MissingVersionError, VersionSnapshots
+
+
+def make_rollouts(*, weight_versions=(0, 0, 0), topk: int = 4, seed: int = 0, temperature: float = 1.0):
+    rng = np.random.default_rng(seed)
+    rollouts = []
+    for index, version in enumerate(weight_versions):
+        prompt_len, response_len = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        topk_ids = np.stack([rng.permutation(VOCAB)[:topk] for _ in range(response_len)]).astype(np.int32)
+        rollouts.append(Rollout(
+            rollout_id=f"r{index}", batch_id=0, group_id=index // 2, sample_index=index % 2,
+            weight_version=version, sampler_id="test",
+            prompt_ids=rng.integers(0, VOCAB, prompt_len).astype(np.int32),
+            response_ids=topk_ids[:, 0].copy(),
+            sampler_logprobs=-rng.random(response_len).astype(np.float32),
+            topk_ids=topk_ids, topk_logprobs=-rng.random((response_len, topk)).astype(np.float32),
+            reward=float(index % 2), finish_reason="stop", temperature=temperature, top_p=1.0, top_k=-1,
+        ))
+    return rollouts
+
+
+def reference_logprobs(model, rollout, temperature):
+    """Row by row, unpadded: log_softmax(logits / T) at the positions predicting each response token."""
+    ids = torch.tensor(np.concatenate([rollout.prompt_ids, rollout.response_ids]), dtype=torch.long)[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float() / temperature
+    log_probs = torch.log_softmax(logits, -1)[len(rollout.prompt_ids) - 1 : -1]
+    sampled = log_probs.gather(1, torch.tensor(rollout.response_ids, dtype=torch.long)[:, None]).squeeze(1)
+    topk = log_probs.gather(1, torch.tensor(rollout.topk_ids, dtype=torch.long))
+    return sampled, topk
+
+
+def batch_logprobs(model, batch, *, with_topk=True):
+    return response_logprobs(
+        model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        prompt_lengths=batch.prompt_lengths, num_response_tokens=batch.num_response_tokens,
+        temperature=batch.temperature, topk_ids=batch.topk_ids if with_topk else None,
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_padded_batch_matches_row_by_row_reference(temperature):
+    model = tiny_model()
+    rollouts = make_rollouts(weight_versions=(0,) * 5, temperature=temperature)
+    batch = build_batch(rollouts)
+    result = batch_logprobs(model, batch)
+    assert result.logp.shape == batch.response_mask.shape
+    assert result.logp_topk.shape == batch.topk_ids.shape
+    for row, rollout_id in enumerate(batch.rollout_ids):
+        rollout = next(r for r in rollouts if r.rollout_id == rollout_id)
+        sampled, topk = reference_logprobs(model, rollout, temperature)
+        length = len(rollout.response_ids)
+        torch.testing.assert_close(result.logp[row, :length].detach(), sampled, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result.logp_topk[row, :length].detach(), topk, rtol=1e-5, atol=1e-5)
+    # The sampled token is the first top-K id in these rollouts: both gathers agree exactly.
+    assert torch.equal(result.logp, result.logp_topk[:, :, 0])
+
+
+def test_logprobs_carry_gradient_and_skip_topk_when_not_asked():
+    model = tiny_model()
+    batch = build_batch(make_rollouts())
+    result = batch_logprobs(model, batch, with_topk=False)
+    assert result.logp_topk is None
+    result.logp[batch.response_mask].sum().backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_per_row_temperature_tensor():
+    model = tiny_model()
+    batch = build_batch(make_rollouts())
+    scalar = batch_logprobs(model, batch).logp
+    per_row = response_logprobs(
+        model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        prompt_lengths=batch.prompt_lengths, num_response_tokens=batch.num_response_tokens,
+        temperature=torch.full((batch.batch_size,), batch.temperature),
+    ).logp
+    torch.testing.assert_close(per_row, scalar)
+
+
+# ------------------------------------------------------------------------------------------ snapshots
+
+
+def _sgd_step(model):
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+
+
+def test_snapshot_logprobs_are_those_of_the_kept_weights():
+    model = tiny_model()
+    batch = build_batch(make_rollouts(weight_versions=(0, 0, 0, 0)))
+    before = batch_logprobs(model, batch)
+    snapshots = VersionSnapshots()
+    snapshots.keep(0, model, step=0)
+    _sgd_step(model)
+    snapshots.model_changed()
+    after = batch_logprobs(model, batch)
+    assert not torch.allclose(after.logp, before.logp)
+    at_version = snapshots.logprobs_at(0, batch, model=model, with_topk=True)
+    torch.testing.assert_close(at_version.logp, before.logp.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(at_version.logp_topk, before.logp_topk.detach(), rtol=1e-6, atol=1e-6)
+    assert not at_version.logp.requires_grad
+    # The model's own weights are untouched by the swap.
+    torch.testing.assert_close(batch_logprobs(model, batch).logp, after.logp)
+
+
+class _ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        model.get_decoder().register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
+def test_live_version_needs_no_extra_forward_and_older_versions_one_each():
+    model = tiny_model()
+    counter = _ForwardCounter(model)
+    snapshots = VersionSnapshots()
+    snapshots.keep(0, model, step=0)
+    batch = build_batch(make_rollouts(weight_versions=(0, 0, 0, 0)))
+    current = batch_logprobs(model, batch)
+    calls = counter.calls
+    fresh = snapshots.version_logprobs(batch, model=model, current=current)
+    assert counter.calls == calls
+    assert torch.equal(fresh.logp, current.logp.detach()) and torch.equal(fresh.logp_topk, current.logp_topk.detach())
+
+    v0_logp = current.logp.detach()
+    _sgd_step(model)
+    snapshots.model_changed()
+    snapshots.keep(1, model, step=3)
+    _sgd_step(model)
+    snapshots.model_changed()
+    snapshots.keep(2, model, step=5)  # live: the model is version 2
+    batch = build_batch(make_rollouts(weight_versions=(0, 2, 1, 0, 2, 1)))
+    current = batch_logprobs(model, batch)
+    calls = counter.calls
+    mixed = snapshots.version_logprobs(batch, model=model, current=current)
+    assert counter.calls == calls + 2  # versions 0 and 1; version 2 is live
+    for version in (0, 1):
+        rows = (batch.weight_versions == version).nonzero().squeeze(1)
+        expected = snapshots.logprobs_at(version, batch.select(rows), model=model, with_topk=True)
+        torch.testing.assert_close(mixed.logp[rows], expected.logp)
+        torch.testing.assert_close(mixed.logp_topk[rows], expected.logp_topk)
+    live_rows = (batch.weight_versions == 2).nonzero().squeeze(1)
+    assert torch.equal(mixed.logp[live_rows], current.logp.detach()[live_rows])
+    assert v0_logp.shape[0] == 4 and snapshots.published_step(1) == 3
+
+
+def test_release_below_drops_versions_and_missing_versions_are_reported():
+    model = tiny_model()
+    snapshots = VersionSnapshots()
+    for version in range(3):
+        snapshots.keep(version, model, step=version)
+    assert snapshots.versions == [0, 1, 2]
+    assert snapshots.release_below(2) == [0, 1]
+    assert snapshots.versions == [2] and snapshots.latest_version == 2
+    assert snapshots.is_kept(2) and not snapshots.is_kept(0)
+    batch = build_batch(make_rollouts(weight_versions=(0, 0)))
+    with pytest.raises(MissingVersionError, match="no snapshot of weight version 0"):
+        snapshots.logprobs_at(0, batch, model=model)
+    with pytest.raises(ValueError, match="already kept"):
+        snapshots.keep(2, model)
+    with pytest.raises(ValueError, match="older than"):
+        snapshots.keep(1, model)
+
+
+def test_snapshot_is_a_copy_not_a_view():
+    model = tiny_model()
+    snapshots = VersionSnapshots()
+    snapshots.keep(0, model)
+    kept = snapshots.state_dict()["weights"][0]["lm_head.weight"].clone()
+    _sgd_step(model)
+    assert torch.equal(snapshots.state_dict()["weights"][0]["lm_head.weight"], kept)

@@ -1,0 +1,194 @@
+"""trainer_svc.batch and trainer_svc.step: padding and GRPO advantages of wire Rollouts, then one AdamW step
+per planned batch for every method (determinism, skip-and-report, VCPO learning rate, DC-GRPO multiplier,
+staleness and no extra forward for fresh rollouts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rlcommon.config import METHODS, CorrectionConfig, TrainerConfig
+from tests.unit.trainer_helpers import make_rollouts, tiny_model
+from trainer_svc.batch import build_batch, group_advantages
+from trainer_svc.step import TrainStep
+
+REQUIRED_METRICS = (
+    "ess_lag", "ess_full", "delta_num_mean", "delta_num_std", "delta_lag_mean", "delta_lag_std", "delta_mean",
+    "lambda", "reward_mean", "response_length_mean", "staleness_mean", "staleness_max", "tokens",
+    "step_time_s", "skipped",
+)
+
+
+# --------------------------------------------------------------------------------------------- batch
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    std = math.sqrt(1 / 3)  # sample std of (1, 0, 0, 1)
+    expected = [0.5 / (std + 1e-6), -0.5 / (std + 1e-6), -0.5 / (std + 1e-6), 0.5 / (std + 1e-6), 0.0, 0.0]
+    torch.testing.assert_close(group_advantages(rewards, groups), torch.tensor(expected))
+    torch.testing.assert_close(
+        group_advantages(rewards, groups, std_norm=False), torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0])
+    )
+
+
+def test_batch_is_padded_and_independent_of_arrival_order():
+    rollouts = make_rollouts()
+    batch = build_batch(rollouts)
+    shuffled = list(rollouts)
+    random.Random(0).shuffle(shuffled)
+    other = build_batch(shuffled)
+    for field in dataclasses.fields(batch):
+        a, b = getattr(batch, field.name), getattr(other, field.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
+    first = rollouts[0]
+    prompt_len, response_len = len(first.prompt_ids), len(first.response_ids)
+    row = batch.rollout_ids.index(first.rollout_id)
+    assert batch.input_ids[row, :prompt_len].tolist() == first.prompt_ids.tolist()
+    assert batch.input_ids[row, prompt_len : prompt_len + response_len].tolist() == first.response_ids.tolist()
+    assert int(batch.attention_mask[row].sum()) == prompt_len + response_len
+    assert int(batch.response_mask[row].sum()) == response_len
+    assert batch.sampler_logprobs[row, :response_len].tolist() == pytest.approx(first.sampler_logprobs.tolist())
+    assert batch.topk_ids.shape == (8, batch.num_response_tokens, 4)
+
+
+def test_build_batch_rejects_inconsistent_rollouts():
+    rollouts = make_rollouts()
+    with pytest.raises(ValueError, match="no rollouts"):
+        build_batch([])
+    with pytest.raises(ValueError, match="two rollouts for batch 0 group 0 sample 0"):
+        build_batch([*rollouts, rollouts[0]])
+    bad = dataclasses.replace(rollouts[1], sampler_logprobs=rollouts[1].sampler_logprobs[:-1])
+    with pytest.raises(ValueError, match="disagree"):
+        build_batch([rollouts[0], bad])
+    hot = dataclasses.replace(rollouts[1], temperature=0.7)
+    with pytest.raises(ValueError, match="different temperatures"):
+        build_batch([rollouts[0], hot])
+    narrow = dataclasses.replace(rollouts[1], topk_ids=rollouts[1].topk_ids[:, :2], topk_logprobs=rollouts[1].topk_logprobs[:, :2])
+    with pytest.raises(ValueError, match="top-K widths"):
+        build_batch([rollouts[0], narrow])
+    empty = dataclasses.replace(rollouts[1], prompt_ids=np.zeros(0, dtype=np.int32))
+    with pytest.raises(ValueError, match="empty prompt_ids"):
+        build_batch([empty])
+
+
+# ---------------------------------------------------------------------------------------------- step
+
+
+def params_of(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def run_steps(method: str, *, num_steps: int = 2, **config):
+    model = tiny_model()
+    step = TrainStep(model, config=TrainerConfig(method=method, **config))
+    results = [step.train_on(make_rollouts(seed=i)) for i in range(num_steps)]
+    return step, results
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_trains_and_reports_the_design_metrics(method):
+    model = tiny_model()
+    before = params_of(model)
+    train_step = TrainStep(model, config=TrainerConfig(method=method))
+    result = train_step.train_on(make_rollouts())
+    assert not result.skipped and result.skip_reason is None
+    assert set(REQUIRED_METRICS) <= set(result.metrics)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in result.metrics.values()), result.metrics
+    assert result.metrics["skipped"] == 0.0
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert train_step.step == 1 and train_step.snapshots.live_version is None
+
+
+@pytest.mark.parametrize("method", ["dlc", "dual"])
+def test_step_is_deterministic(method):
+    first, _ = run_steps(method, num_steps=3)
+    second, _ = run_steps(method, num_steps=3)
+    for (name, a), b in zip(first.model.named_parameters(), second.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert first.correction_state.lam == second.correction_state.lam
+
+
+def test_non_finite_batch_is_skipped_and_reported():
+    model = tiny_model()
+    train_step = TrainStep(model, config=TrainerConfig(method="dlc"))
+    train_step.train_on(make_rollouts(seed=0))
+    before = params_of(model)
+    optimizer_state = {k: v.clone() for k, v in train_step.optimizer.state[next(model.parameters())].items()}
+    rewards = [math.nan] + [1.0] * 7  # a NaN reward poisons its group's advantages
+    result = train_step.train_on(make_rollouts(seed=1, rewards=rewards))
+    assert result.skipped and result.metrics["skipped"] == 1.0 and "non-finite loss" in result.skip_reason
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+        assert param.grad is None
+    for key, value in train_step.optimizer.state[next(model.parameters())].items():
+        assert torch.equal(value, optimizer_state[key]), key
+    assert train_step.step == 2
+    assert not train_step.train_on(make_rollouts(seed=2)).skipped
+
+
+def test_non_finite_sampler_logprobs_do_not_poison_the_step():
+    rollouts = make_rollouts()
+    broken = rollouts[0].sampler_logprobs.copy()
+    broken[0] = np.nan
+    rollouts[0] = dataclasses.replace(rollouts[0], sampler_logprobs=broken)
+    rollouts[1] = dataclasses.replace(rollouts[1], sampler_logprobs=np.full_like(rollouts[1].sampler_logprobs, -1e4))
+    for method in METHODS:
+        result = TrainStep(tiny_model(), config=TrainerConfig(method=method)).train_on(rollouts)
+        assert not result.skipped, method
+        assert result.metrics["nonfinite_inputs"] == 1.0
+
+
+def test_vcpo_scales_the_learning_rate_by_ess_full():
+    train_step, (result, _) = run_steps("vcpo")
+    assert 0 < result.metrics["ess_full"] < 1
+    assert result.metrics["lr"] == pytest.approx(train_step.config.lr * result.metrics["ess_full"])
+    assert train_step.optimizer.param_groups[0]["lr"] == train_step.config.lr
+    _, (tis_result, _) = run_steps("tis")
+    assert tis_result.metrics["lr"] == train_step.config.lr
+
+
+def test_dual_multiplier_is_updated_after_the_step():
+    correction = CorrectionConfig(dual_tolerance=0.01, dual_lr=2.0)
+    train_step, results = run_steps("dual", correction=correction)
+    first, second = results
+    assert first.metrics["lambda"] == 0.0  # the loss of step 0 used the initial multiplier
+    expected = max(0.0, 2.0 * (first.metrics["delta_mean"] - 0.01))
+    assert first.metrics["lambda_next"] == pytest.approx(expected)
+    assert second.metrics["lambda"] == pytest.approx(expected) and expected > 0
+    assert train_step.correction_state.lam == second.metrics["lambda_next"]
+
+
+class _ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        model.get_decoder().register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
+def test_fresh_rollouts_cost_one_forward_and_stale_ones_two():
+    model = tiny_model()
+    counter = _ForwardCounter(model)
+    train_step = TrainStep(model, config=TrainerConfig(method="dlc"))
+    fresh = train_step.train_on(make_rollouts(weight_version=0))
+    assert counter.calls == 1
+    assert fresh.metrics["ess_lag"] == 1.0 and fresh.metrics["delta_lag_mean"] == 0.0
+    assert fresh.metrics["staleness_max"] == 0.0
+    stale = train_step.train_on(make_rollouts(weight_version=0, seed=1))  # the model moved past version 0
+    assert counter.calls == 3
+    assert stale.metrics["ess_lag"] < 1.0 and stale.metrics["staleness_steps_max"] == 1.0
+    train_step.mark_published(1)
+    assert train_step.weight_version == 1 and train_step.snapshots.is_live(1)
+    mixed = train_step.train_on(make_rollouts(weight_version=1, seed=2) + [
+        dataclasses.replace(r, group_id=r.group_id + 2) for r in make_rollouts(weight_version=0, seed=3)
+    ])
+    assert counter.calls == 5
+    assert mixed.metrics["staleness_max"] == 1.0 and mixed.metrics["staleness_mean"] == 0.5

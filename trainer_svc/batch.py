@@ -1,0 +1,188 @@
+"""Decoded wire Rollouts -> one padded training batch with GRPO advantages.
+
+Rows are ordered by (batch_id, group_id, sample_index), so the batch (and the step trained on it) does not
+depend on the order in which rollouts arrived. Each row is `prompt + response` right-padded to the longest
+row; response-aligned tensors are [B, T] with T the longest response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["TrainBatch", "build_batch", "group_advantages"]
+
+ADVANTAGE_EPS = 1e-6
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors of one planned batch (B rollouts)."""
+
+    input_ids: Tensor
+    """[B, L] int64 prompt + response, right-padded with the pad id."""
+    attention_mask: Tensor
+    """[B, L] int64, 1 on prompt and response tokens."""
+    prompt_lengths: Tensor
+    """[B] int64 (>= 1)."""
+    response_lengths: Tensor
+    """[B] int64."""
+    response_mask: Tensor
+    """[B, T] bool, True on response tokens."""
+    sampler_logprobs: Tensor
+    """[B, T] float32 log mu(y_t|s_t) of the sampled tokens (0 on padding)."""
+    topk_ids: Tensor
+    """[B, T, K] int64 transmitted top-K ids (0 on padding)."""
+    topk_logprobs: Tensor
+    """[B, T, K] float32 the sampler's processed log-probs at `topk_ids` (0 on padding)."""
+    rewards: Tensor
+    """[B] float32."""
+    advantages: Tensor
+    """[B] float32 GRPO group advantages."""
+    weight_versions: Tensor
+    """[B] int64 weight version that generated each rollout."""
+    group_ids: Tensor
+    """[B] int64 prompt group of each rollout."""
+    temperature: float
+    """Sampling temperature shared by every rollout of the batch."""
+    rollout_ids: tuple[str, ...]
+    """Rollout ids in row order."""
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        """T, the padded response length."""
+        return int(self.response_mask.shape[1])
+
+    def select(self, rows: Tensor) -> TrainBatch:
+        """The sub-batch of `rows` (1-D int64 indices); padding widths are kept."""
+        picked: dict[str, Any] = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Tensor):
+                picked[field.name] = value.index_select(0, rows.to(value.device))
+            elif isinstance(value, tuple):
+                picked[field.name] = tuple(value[i] for i in rows.tolist())
+            else:
+                picked[field.name] = value
+        return TrainBatch(**picked)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """Every tensor moved to `device`."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return replace(self, **moved)
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, std_norm: bool = True) -> Tensor:
+    """GRPO advantage per rollout: (R - mean_G R) / (std_G R + 1e-6), or R - mean_G R without std_norm.
+
+    std is the sample standard deviation (n - 1) of the group; a group of one rollout gets advantage 0.
+    """
+    assert rewards.shape == group_ids.shape and rewards.dim() == 1, (rewards.shape, group_ids.shape)
+    rewards = rewards.double()
+    advantages = torch.zeros_like(rewards)
+    for group_id in torch.unique(group_ids).tolist():
+        rows = (group_ids == group_id).nonzero().squeeze(1)
+        group_rewards = rewards[rows]
+        centered = group_rewards - group_rewards.mean()
+        if std_norm and len(rows) > 1:
+            centered = centered / (group_rewards.std() + ADVANTAGE_EPS)
+        advantages[rows] = centered
+    return advantages.float()
+
+
+def _array(value: Any, *, name: str, rollout_id: str, dtype: np.dtype, ndim: int) -> np.ndarray:
+    array = np.asarray(value)
+    if array.ndim != ndim:
+        raise ValueError(f"rollout {rollout_id}: {name} must have {ndim} dimensions, got shape {array.shape}")
+    return array.astype(dtype, copy=False)
+
+
+def build_batch(rollouts: Sequence[Any], *, pad_id: int = 0, adv_std_norm: bool = True) -> TrainBatch:
+    """Pad decoded `Rollout`s (rlcommon.wire) into a TrainBatch and compute GRPO advantages by group_id.
+
+    Raises ValueError on an empty list, a duplicate (group_id, sample_index), mismatched array lengths,
+    different top-K widths or different temperatures within the batch, or an empty prompt.
+    """
+    if not rollouts:
+        raise ValueError("build_batch: no rollouts")
+    ordered = sorted(rollouts, key=lambda r: (r.batch_id, r.group_id, r.sample_index))
+    seen: set[tuple[int, int, int]] = set()
+    rows = []
+    for rollout in ordered:
+        key = (rollout.batch_id, rollout.group_id, rollout.sample_index)
+        if key in seen:
+            raise ValueError(
+                f"build_batch: two rollouts for batch {key[0]} group {key[1]} sample {key[2]} "
+                f"(deduplicate by rollout_id first)"
+            )
+        seen.add(key)
+        rid = rollout.rollout_id
+        prompt = _array(rollout.prompt_ids, name="prompt_ids", rollout_id=rid, dtype=np.int64, ndim=1)
+        response = _array(rollout.response_ids, name="response_ids", rollout_id=rid, dtype=np.int64, ndim=1)
+        logprobs = _array(rollout.sampler_logprobs, name="sampler_logprobs", rollout_id=rid, dtype=np.float32, ndim=1)
+        topk_ids = _array(rollout.topk_ids, name="topk_ids", rollout_id=rid, dtype=np.int64, ndim=2)
+        topk_logprobs = _array(rollout.topk_logprobs, name="topk_logprobs", rollout_id=rid, dtype=np.float32, ndim=2)
+        if len(prompt) == 0:
+            raise ValueError(f"rollout {rid}: empty prompt_ids (the first response token needs a prefix)")
+        num_tokens = len(response)
+        if len(logprobs) != num_tokens or topk_ids.shape[0] != num_tokens or topk_logprobs.shape != topk_ids.shape:
+            raise ValueError(
+                f"rollout {rid}: response_ids ({num_tokens}), sampler_logprobs ({len(logprobs)}), topk_ids "
+                f"{topk_ids.shape} and topk_logprobs {topk_logprobs.shape} disagree"
+            )
+        rows.append((rollout, prompt, response, logprobs, topk_ids, topk_logprobs))
+
+    widths = {r[4].shape[1] for r in rows}
+    if len(widths) > 1:
+        raise ValueError(f"build_batch: rollouts carry different top-K widths {sorted(widths)}")
+    temperatures = {float(r[0].temperature) for r in rows}
+    if len(temperatures) > 1:
+        raise ValueError(f"build_batch: rollouts were sampled at different temperatures {sorted(temperatures)}")
+
+    batch_size = len(rows)
+    topk = widths.pop()
+    seq_len = max(len(r[1]) + len(r[2]) for r in rows)
+    num_response_tokens = max(len(r[2]) for r in rows)
+    input_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((batch_size, seq_len), dtype=np.int64)
+    response_mask = np.zeros((batch_size, num_response_tokens), dtype=bool)
+    sampler_logprobs = np.zeros((batch_size, num_response_tokens), dtype=np.float32)
+    topk_ids = np.zeros((batch_size, num_response_tokens, topk), dtype=np.int64)
+    topk_logprobs = np.zeros((batch_size, num_response_tokens, topk), dtype=np.float32)
+    for i, (_, prompt, response, logprobs, ids, lps) in enumerate(rows):
+        length = len(prompt) + len(response)
+        input_ids[i, : len(prompt)] = prompt
+        input_ids[i, len(prompt) : length] = response
+        attention_mask[i, :length] = 1
+        response_mask[i, : len(response)] = True
+        sampler_logprobs[i, : len(response)] = logprobs
+        topk_ids[i, : len(response)] = ids
+        topk_logprobs[i, : len(response)] = lps
+
+    rewards = torch.tensor([float(r[0].reward) for r in rows], dtype=torch.float32)
+    group_ids = torch.tensor([int(r[0].group_id) for r in rows], dtype=torch.int64)
+    return TrainBatch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention_mask),
+        prompt_lengths=torch.tensor([len(r[1]) for r in rows], dtype=torch.int64),
+        response_lengths=torch.tensor([len(r[2]) for r in rows], dtype=torch.int64),
+        response_mask=torch.from_numpy(response_mask),
+        sampler_logprobs=torch.from_numpy(sampler_logprobs),
+        topk_ids=torch.from_numpy(topk_ids),
+        topk_logprobs=torch.from_numpy(topk_logprobs),
+        rewards=rewards,
+        advantages=group_advantages(rewards, group_ids, std_norm=adv_std_norm),
+        weight_versions=torch.tensor([int(r[0].weight_version) for r in rows], dtype=torch.int64),
+        group_ids=group_ids,
+        temperature=temperatures.pop(),
+        rollout_ids=tuple(str(r[0].rollout_id) for r in rows),
+    )

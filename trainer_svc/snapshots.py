@@ -1,0 +1,161 @@
+"""Weights of the versions that planned batches may still contain, for l^v = log pi_{theta_v}(y|s).
+
+`keep(version, model)` copies the model's weights when version `version` is published (and version 0 at
+start); the model then *is* that version (`live_version`) until its next optimizer step
+(`model_changed()`). A rollout of the live version needs no extra forward: l^v = l.detach(). A rollout of
+an older version gets one no-grad forward with the snapshot swapped in (`torch.func.functional_call`: no
+second model in memory). `release_below(min_version)` drops what no planned batch can need any more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trainer_svc.batch import TrainBatch
+from trainer_svc.logprobs import ResponseLogprobs, response_logprobs
+
+__all__ = ["MissingVersionError", "VersionSnapshots"]
+
+
+class MissingVersionError(LookupError):
+    """A rollout's weight version has no kept snapshot (released too early, or never published here)."""
+
+
+class _LogprobsForward(nn.Module):
+    """`response_logprobs` as a module call, so functional_call can swap the wrapped model's weights."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kwargs: Any) -> ResponseLogprobs:
+        return response_logprobs(self.model, **kwargs)
+
+
+class VersionSnapshots:
+    """Kept weight versions: version -> state_dict copy on `storage_device` (CPU copies by default)."""
+
+    def __init__(self, *, storage_device: str | torch.device = "cpu"):
+        self.storage_device = torch.device(storage_device)
+        self._weights: dict[int, dict[str, Tensor]] = {}
+        self._published_step: dict[int, int] = {}
+        self.live_version: int | None = None
+        """The version whose weights the model holds right now (None once it stepped past it)."""
+
+    # ------------------------------------------------------------------------------------------ bookkeeping
+
+    @property
+    def versions(self) -> list[int]:
+        """Kept versions, ascending."""
+        return sorted(self._weights)
+
+    @property
+    def latest_version(self) -> int | None:
+        return max(self._weights) if self._weights else None
+
+    def published_step(self, version: int) -> int:
+        """Trainer step at which `version` was kept."""
+        return self._published_step[version]
+
+    def keep(self, version: int, model: nn.Module, *, step: int = 0) -> None:
+        """Copy the model's current weights as `version` (published at trainer `step`); the model is now live."""
+        if version in self._weights:
+            raise ValueError(f"weight version {version} is already kept")
+        if self._weights and version < max(self._weights):
+            raise ValueError(f"weight version {version} is older than the kept version {max(self._weights)}")
+        self._weights[version] = {
+            name: tensor.detach().to(self.storage_device, copy=True) for name, tensor in model.state_dict().items()
+        }
+        self._published_step[version] = step
+        self.live_version = version
+
+    def model_changed(self) -> None:
+        """The model's weights moved (optimizer step): it no longer equals any kept version."""
+        self.live_version = None
+
+    def release_below(self, min_version: int) -> list[int]:
+        """Drop every kept version < min_version (no planned batch can contain it); returns those dropped."""
+        dropped = [v for v in self._weights if v < min_version]
+        for version in dropped:
+            del self._weights[version]
+            del self._published_step[version]
+        return sorted(dropped)
+
+    def is_live(self, version: int) -> bool:
+        """The model's weights are exactly `version` (its rollouts need no extra forward)."""
+        return self.live_version is not None and version == self.live_version
+
+    def is_kept(self, version: int) -> bool:
+        """`version` has a snapshot (rollouts of it can be trained)."""
+        return version in self._weights
+
+    # ------------------------------------------------------------------------------------------- log-probs
+
+    def logprobs_at(
+        self, version: int, batch: TrainBatch, *, model: nn.Module, with_topk: bool = False
+    ) -> ResponseLogprobs:
+        """No-grad log-probs of every row of `batch` under the weights of `version` (one forward)."""
+        if version not in self._weights:
+            raise MissingVersionError(
+                f"no snapshot of weight version {version} (kept: {self.versions}); it was released "
+                f"too early or never published by this trainer"
+            )
+        device = next(model.parameters()).device
+        weights = self._weights[version]
+        if device != self.storage_device:
+            weights = {name: tensor.to(device, non_blocking=True) for name, tensor in weights.items()}
+        kwargs = dict(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            prompt_lengths=batch.prompt_lengths.to(device),
+            num_response_tokens=batch.num_response_tokens,
+            temperature=batch.temperature,
+            topk_ids=batch.topk_ids.to(device) if with_topk else None,
+        )
+        wrapper = _LogprobsForward(model)
+        with torch.no_grad():
+            return torch.func.functional_call(wrapper, {f"model.{k}": v for k, v in weights.items()}, (), kwargs)
+
+    def version_logprobs(
+        self, batch: TrainBatch, *, model: nn.Module, current: ResponseLogprobs
+    ) -> ResponseLogprobs:
+        """l^v for every row at its own weight version (and at the top-K ids when `current` has them).
+
+        Rows of the live version reuse `current` (detached, no forward); each older version costs one
+        no-grad forward on its rows.
+        """
+        with_topk = current.logp_topk is not None
+        logp = current.logp.detach().clone()
+        logp_topk = current.logp_topk.detach().clone() if with_topk else None
+        for version in torch.unique(batch.weight_versions).tolist():
+            if self.is_live(version):
+                continue
+            rows = (batch.weight_versions == version).nonzero().squeeze(1)
+            result = self.logprobs_at(version, batch.select(rows), model=model, with_topk=with_topk)
+            rows = rows.to(logp.device)
+            logp[rows] = result.logp
+            if with_topk:
+                assert logp_topk is not None and result.logp_topk is not None
+                logp_topk[rows] = result.logp_topk
+        return ResponseLogprobs(logp=logp, logp_topk=logp_topk)
+
+    # ------------------------------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "live_version": self.live_version,
+            "published_step": dict(self._published_step),
+            "weights": {version: dict(weights) for version, weights in self._weights.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.live_version = state["live_version"]
+        self._published_step = {int(v): int(s) for v, s in state["published_step"].items()}
+        self._weights = {
+            int(version): {name: t.to(self.storage_device) for name, t in weights.items()}
+            for version, weights in state["weights"].items()
+        }

@@ -1,0 +1,187 @@
+"""One training step: rollouts -> padded batch + GRPO advantages -> log-probs -> policy_loss -> AdamW step.
+
+    result = train_step.train_on(rollouts)      # StepResult(metrics, skipped, skip_reason)
+    train_step.mark_published(weight_version)   # after publishing: keep the snapshot, model is live again
+
+Per step: one forward+backward of the current model (log-probs at the sampling temperature, plus the
+top-K ids for `center`/`dlc`), one no-grad forward per *older* weight version present in the batch
+(none when every rollout is of the live version), `policy_loss`, gradient clipping and AdamW. `vcpo`
+scales this step's learning rate by `ess_full`; `dual` updates its multiplier after the step;
+`decoupled_ppo` takes pi_prox = the trainer at the start of this step (one optimizer step per batch, so
+that is l.detach()). A batch whose loss or gradient norm is not finite is skipped (no update of weights,
+optimizer or multiplier) and reported. Deterministic on CPU for a fixed model, seed and batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlcommon.config import TrainerConfig
+from trainer_svc.batch import TrainBatch, build_batch
+from trainer_svc.corrections import (
+    CENTERED_METHODS,
+    CorrectionState,
+    centering_term,
+    dual_update,
+    policy_loss,
+)
+from trainer_svc.logprobs import response_logprobs
+from trainer_svc.snapshots import VersionSnapshots
+
+__all__ = ["StepResult", "TrainStep"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    """DESIGN section 4 step statistics (floats; `skipped` is 0.0 or 1.0)."""
+    skipped: bool
+    """True when the batch was not trained on (non-finite loss or gradient)."""
+    skip_reason: str | None = None
+
+
+class TrainStep:
+    """Model + AdamW + correction state + kept weight versions; `train_on` runs one step per planned batch."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        config: TrainerConfig,
+        snapshots: VersionSnapshots | None = None,
+        pad_id: int = 0,
+    ):
+        self.model = model
+        self.config = config
+        self.pad_id = pad_id
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.correction_state = CorrectionState(lam=config.correction.dual_lambda_init)
+        self.step = 0
+        """Planned batches consumed (trained or skipped)."""
+        if snapshots is None:
+            snapshots = VersionSnapshots()
+            snapshots.keep(0, model, step=0)  # version 0 = the initial weights
+        self.snapshots = snapshots
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def weight_version(self) -> int:
+        """Latest published (kept) weight version."""
+        version = self.snapshots.latest_version
+        assert version is not None, "no weight version kept"
+        return version
+
+    def mark_published(self, weight_version: int) -> None:
+        """Record that the current weights were published as `weight_version` (keeps their snapshot)."""
+        self.snapshots.keep(weight_version, self.model, step=self.step)
+
+    def train_on(self, rollouts: Sequence[Any] | TrainBatch) -> StepResult:
+        """One step on a planned batch (decoded wire Rollouts or a prebuilt TrainBatch)."""
+        start = time.perf_counter()
+        if isinstance(rollouts, TrainBatch):
+            batch = rollouts
+        else:
+            batch = build_batch(rollouts, pad_id=self.pad_id, adv_std_norm=self.config.adv_std_norm)
+        device = next(self.model.parameters()).device
+        batch = batch.to(device)
+        needs_topk = self.method in CENTERED_METHODS
+
+        self.model.train()
+        current = response_logprobs(
+            self.model,
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            prompt_lengths=batch.prompt_lengths,
+            num_response_tokens=batch.num_response_tokens,
+            temperature=batch.temperature,
+            topk_ids=batch.topk_ids if needs_topk else None,
+        )
+        version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
+        centering = None
+        if needs_topk:
+            assert current.logp_topk is not None and version.logp_topk is not None
+            version_topk = version.logp_topk if self.method == "dlc" else None
+            centering = centering_term(current.logp_topk, batch.topk_logprobs, version_topk)
+        loss, loss_metrics = policy_loss(
+            self.method,
+            logp=current.logp,
+            logp_version=version.logp,
+            logp_sampler=batch.sampler_logprobs,
+            advantages=batch.advantages,
+            mask=batch.response_mask,
+            centering=centering,
+            config=self.config.correction,
+            state=self.correction_state,
+        )
+
+        skip_reason = None
+        grad_norm = math.nan
+        lr = self.config.lr
+        if not torch.isfinite(loss):
+            skip_reason = f"non-finite loss {float(loss.detach())}"
+        else:
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+            if not math.isfinite(grad_norm):
+                skip_reason = f"non-finite gradient norm {grad_norm}"
+        if skip_reason is None:
+            if self.method == "vcpo":
+                lr = self.config.lr * loss_metrics["ess_full"]
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.lr
+            self.snapshots.model_changed()
+            if self.method == "dual":
+                self.correction_state.lam = dual_update(
+                    self.correction_state.lam,
+                    loss_metrics["delta_mean"],
+                    self.config.correction.dual_tolerance,
+                    self.config.correction.dual_lr,
+                )
+        else:
+            logger.warning("step %d skipped: %s", self.step, skip_reason)
+        self.optimizer.zero_grad(set_to_none=True)
+
+        metrics = {
+            **loss_metrics,
+            **self._batch_metrics(batch),
+            "loss": float(loss.detach()),
+            "grad_norm": grad_norm,
+            "lr": lr if skip_reason is None else 0.0,
+            "lambda_next": float(self.correction_state.lam),
+            "skipped": float(skip_reason is not None),
+            "step": float(self.step),
+            "weight_version": float(self.weight_version),
+        }
+        self.step += 1
+        metrics["step_time_s"] = time.perf_counter() - start
+        return StepResult(metrics=metrics, skipped=skip_reason is not None, skip_reason=skip_reason)
+
+    def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        versions = batch.weight_versions.tolist()
+        staleness = [self.weight_version - v for v in versions]
+        staleness_steps = [self.step - self.snapshots.published_step(v) for v in set(versions)]
+        return {
+            "reward_mean": float(batch.rewards.mean()),
+            "reward_std": float(batch.rewards.std(correction=0)),
+            "response_length_mean": float(batch.response_lengths.float().mean()),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": float(max(staleness)),
+            "staleness_steps_max": float(max(staleness_steps)),
+            "num_rollouts": float(batch.batch_size),
+        }
