@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 run: $(STAMP)
-	$(BIN)/python -m launcher $(ARGS)
+	$(BIN)/python -m rlcommon.launcher $(ARGS)
 
 experiment: $(STAMP)
 	$(BIN)/python -m experiments.dlc_repro $(ARGS)

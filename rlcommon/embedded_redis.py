@@ -169,8 +169,11 @@ class EmbeddedRedis:
         with open(self.log_path, "ab") as log_file:  # early errors (bad arguments) go to stderr
             log_file.write(f"--- starting {' '.join(args)}\n".encode())
             log_file.flush()
+            # Own session: a Ctrl-C in the terminal reaches the owner, which stops the services that
+            # use this server before it stops the server (never the other way round).
             self._proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=self.data_dir
+                args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=self.data_dir,
+                start_new_session=True,
             )
         self._finalizer = weakref.finalize(self, _terminate, self._proc)
         deadline = time.monotonic() + self.start_timeout_s

@@ -1,0 +1,368 @@
+"""Local launcher (`make run`): the whole stack on this machine, with the same entrypoints and the same
+`DLC_*` settings as docker compose.
+
+    python -m rlcommon.launcher [--config configs/default.toml] [--steps N] [--run-dir DIR] [--a.b VALUE ...]
+
+Builds the model if missing, starts its own redis-server (unless `redis.url` is set), then the
+coordinator, `num_samplers` samplers and the trainer as processes, each logging to `<run_dir>/logs/`.
+Shows a progress bar until the trainer has trained `steps` batches, then writes `summary.json` and the
+plots, and stops everything. Ctrl-C, or any service dying, stops the rest and says which one and where
+its log is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlcommon.config import ConfigError, RunConfig, dump_toml, load_config
+from rlcommon.metrics import read_jsonl
+
+logger = logging.getLogger("launcher")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ServiceSpec:
+    """One process of the stack: what compose's `command` and `environment` say for that service."""
+
+    name: str
+    module: str
+    config_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", self.module, "--config", str(self.config_path)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def service_specs(
+    *,
+    cfg: RunConfig,
+    config_path: Path,
+    redis_url: str,
+    model_dir: str,
+    coordinator_port: int,
+) -> list[ServiceSpec]:
+    """The coordinator, the samplers and the trainer, with the variables docker-compose.yml sets."""
+    common = {
+        "DLC_REDIS__URL": redis_url,
+        "DLC_RUN_DIR": str(Path(cfg.run_dir).resolve()),
+        "DLC_BUS__RUN_ID": cfg.bus.run_id,
+        "DLC_MODEL__NAME_OR_PATH": model_dir,
+        "DLC_MODEL__CACHE_DIR": str(Path(cfg.model.cache_dir).resolve()),
+        "DLC_COORDINATOR__HOST": "127.0.0.1",
+        "DLC_COORDINATOR__PORT": str(coordinator_port),
+        "DLC_COORDINATOR__AUTH_TOKEN": cfg.coordinator.auth_token or "",
+    }
+    client = {"DLC_COORDINATOR__ADDRESS": f"127.0.0.1:{coordinator_port}"}
+    specs = [ServiceSpec("coordinator", "coordinator", config_path, {**common, "DLC_COORDINATOR__METRICS_PORT": "0"})]
+    for index in range(cfg.num_samplers):
+        specs.append(
+            ServiceSpec(
+                f"sampler-{index}",
+                "sampler_svc",
+                config_path,
+                {
+                    **common,
+                    **client,
+                    "DLC_SAMPLER__SAMPLER_ID": f"sampler-{index}",
+                    "DLC_SAMPLER__DTYPE": cfg.sampler.dtype,
+                    "DLC_SAMPLER__GPU_MEMORY_UTILIZATION": str(cfg.sampler.gpu_memory_utilization),
+                    "DLC_SAMPLER__METRICS_PORT": "0",
+                    # On a small CPU machine: the engine on one core, the other left to the trainer.
+                    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                },
+            )
+        )
+    specs.append(
+        ServiceSpec(
+            "trainer",
+            "trainer_svc",
+            config_path,
+            {**common, **client, "DLC_TRAINER__DEVICE": cfg.trainer.device, "DLC_TRAINER__METRICS_PORT": "0"},
+        )
+    )
+    return specs
+
+
+class ServiceProcess:
+    """A started service: its process and log file."""
+
+    def __init__(self, spec: ServiceSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name}.log"
+        self._log = self.log_path.open("ab")
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            spec.argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0f s; killing it", self.spec.name, timeout_s)
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self._log.close()
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ServiceDied(RuntimeError):
+    pass
+
+
+def wait_for_coordinator(address: str, *, timeout_s: float, watch: list[ServiceProcess]) -> None:
+    """Block until the coordinator's gRPC health check answers SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check_alive(watch)
+        try:
+            with grpc.insecure_channel(address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"coordinator at {address} did not become healthy within {timeout_s:.0f} s")
+
+
+def check_alive(processes: list[ServiceProcess]) -> None:
+    for proc in processes:
+        code = proc.poll()
+        if code is not None:
+            raise ServiceDied(
+                f"service '{proc.spec.name}' exited with code {code}; its log: {proc.log_path}\n"
+                f"--- last lines ---\n{proc.log_tail()}"
+            )
+
+
+def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: dict[str, Any], trainer_state: dict[str, Any]) -> dict[str, Any]:
+    """summary.json from the trainer's metrics, the coordinator's sync history and the trainer's counters."""
+
+    def mean_reward(chunk: list[dict[str, Any]]) -> float | None:
+        values = [r["reward_mean"] for r in chunk if isinstance(r.get("reward_mean"), int | float)]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "method": cfg.trainer.method,
+        "sync_policy": cfg.coordinator.sync_policy,
+        "ess_threshold": cfg.coordinator.ess_threshold,
+        "steps": len(rows),
+        "batches_trained": [r.get("batch_id") for r in rows],
+        "reward_first": mean_reward(rows[:3]),
+        "reward_last": mean_reward(rows[-3:]),
+        "final_weight_version": coordinator.get("current_version"),
+        "syncs": coordinator.get("syncs", []),
+        "dead_letters": coordinator.get("dead_letters", 0),
+        "duplicates_dropped": trainer_state.get("duplicates_dropped", 0),
+        "skipped_batches": trainer_state.get("skipped_batches", 0),
+        "wall_seconds": coordinator.get("wall_seconds"),
+    }
+
+
+def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="python -m rlcommon.launcher", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=None, help="TOML config (repeatable; later wins)")
+    parser.add_argument("--no-progress", action="store_true", help="per-step lines instead of a progress bar")
+    args, rest = parser.parse_known_args(argv)
+    paths = args.config or [str(REPO / "configs/default.toml")]
+    cfg = load_config(RunConfig, paths, rest)
+    if cfg.coordinator.total_batches is None:
+        cfg.coordinator.total_batches = cfg.steps
+    return cfg, args
+
+
+def coordinator_snapshot(address: str) -> dict[str, Any]:
+    """Current version, sync history (oldest first) and status of the live coordinator."""
+    import grpc
+
+    from protos import coordinator_pb2 as pb
+    from protos import coordinator_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        syncs = stub.ListSyncs(pb.ListSyncsRequest(limit=10_000), timeout=10).syncs
+    return {
+        "current_version": status.published_version,
+        "num_syncs": status.num_syncs,
+        "trained_through": status.batches.trained_through,
+        "syncs": [
+            {
+                "step": s.step,
+                "version": s.weight_version,
+                "reason": s.reason,
+                "seconds": round(s.duration_s, 4),
+                "acked_samplers": list(s.acked_samplers),
+                "unhealthy_samplers": list(s.unhealthy_samplers),
+            }
+            for s in reversed(syncs)
+        ],
+    }
+
+
+def dead_letter_count(redis_url: str, run_id: str) -> int:
+    import redis
+
+    from rlcommon.bus import stream_key
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.xlen(stream_key(run_id, "deadletter")))
+    finally:
+        client.close()
+
+
+class Progress:
+    """A progress bar (or per-step lines) fed from the trainer's metrics.jsonl."""
+
+    def __init__(self, *, total: int, metrics_path: Path, bar: bool) -> None:
+        self.metrics_path = metrics_path
+        self.seen = 0
+        self.syncs = 0
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="training")
+
+    def update(self) -> list[dict[str, Any]]:
+        rows = read_jsonl(self.metrics_path)
+        for row in rows[self.seen:]:
+            self.syncs += 1 if row.get("publish") else 0
+            fields = {
+                "reward": f"{row.get('reward_mean', float('nan')):.3f}",
+                "ess_lag": f"{row.get('ess_lag', float('nan')):.3f}",
+                "version": int(row.get("weight_version", 0)),
+                "syncs": self.syncs,
+            }
+            if self.bar is not None:
+                self.bar.set_postfix(fields, refresh=False)
+                self.bar.update(1)
+            else:
+                print(f"step {row['step']}: " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+        self.seen = len(rows)
+        return rows
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run(cfg: RunConfig, *, progress_bar: bool = True, config_dir: Path | None = None) -> dict[str, Any]:
+    """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content."""
+    from rlcommon.embedded_redis import EmbeddedRedis
+    from rlcommon.plots import plot_run
+    from rlcommon.tiny_model import resolve_model
+
+    run_dir = Path(cfg.run_dir).resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    logger.info("model: %s", cfg.model.name_or_path)
+    model_dir = resolve_model(cfg.model, cfg.task)
+    config_path = run_dir / "config.toml"
+    config_path.write_text(dump_toml(cfg))
+
+    redis_server = None
+    redis_url = cfg.redis.url
+    if redis_url is None:
+        redis_server = EmbeddedRedis(cfg.redis.data_dir or run_dir / "redis").start()
+        redis_url = redis_server.url
+    port = cfg.coordinator.port if cfg.coordinator.port not in (0, 50051) else free_port()
+    specs = service_specs(cfg=cfg, config_path=config_path, redis_url=redis_url, model_dir=str(model_dir),
+                          coordinator_port=port)
+    address = f"127.0.0.1:{port}"
+    processes: list[ServiceProcess] = []
+    progress = Progress(total=cfg.steps, metrics_path=run_dir / "metrics.jsonl", bar=progress_bar)
+    try:
+        coordinator = ServiceProcess(specs[0], run_dir / "logs")
+        processes.append(coordinator)
+        wait_for_coordinator(address, timeout_s=120, watch=processes)
+        for spec in specs[1:]:
+            processes.append(ServiceProcess(spec, run_dir / "logs"))
+        trainer = processes[-1]
+        while True:
+            rows = progress.update()
+            if trainer.poll() == 0 and len(rows) >= cfg.steps:
+                break
+            check_alive(processes)
+            time.sleep(0.5)
+        rows = progress.update()
+        snapshot = coordinator_snapshot(address)
+        snapshot["dead_letters"] = dead_letter_count(redis_url, cfg.bus.run_id)
+    finally:
+        progress.close()
+        for proc in reversed(processes):
+            proc.stop()
+        if redis_server is not None:
+            redis_server.stop()
+    snapshot["wall_seconds"] = round(time.monotonic() - started, 1)
+    trainer_state_path = run_dir / "trainer_state.json"
+    trainer_state = json.loads(trainer_state_path.read_text()) if trainer_state_path.exists() else {}
+    summary = build_summary(cfg=cfg, rows=rows, coordinator=snapshot, trainer_state=trainer_state)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_run(rows=rows, syncs=summary["syncs"], out_dir=run_dir / "plots", ess_threshold=cfg.coordinator.ess_threshold)
+    return summary
+
+
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the stack like Ctrl-C does
+    try:
+        cfg, args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        print(f"launcher: {err}", file=sys.stderr)
+        return 2
+    try:
+        summary = run(cfg, progress_bar=not args.no_progress and sys.stderr.isatty())
+    except ServiceDied as err:
+        logger.error("%s", err)
+        return 1
+    except KeyboardInterrupt:
+        logger.error("interrupted: every service was stopped")
+        return 130
+    print(json.dumps(summary, indent=2))
+    print(f"run folder: {Path(cfg.run_dir).resolve()} (summary.json, metrics.jsonl, plots/, logs/)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The sampler service: takes tasks within its capacity, generates G samples per task with vLLM, pushes
+one rollout per sample, acks the task, and follows the coordinator's weight updates.
+
+    start()  engine, streams, coordinator registration, weight-update subscription, heartbeats
+    run()    read tasks while there is capacity -> generate -> push rollouts -> ack
+    stop()   cancel background work, shut the engine down (unacked tasks are redelivered to others)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import grpc
+
+from coordinator.auth import auth_metadata, open_aio_channel
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
+from rlcommon.config import RunConfig
+from rlcommon.metrics import MetricsSink, start_metrics_server
+from rlcommon.rpc import acall_with_retry
+from rlcommon.tiny_model import resolve_model
+from rlcommon.weight_store import WeightsError
+from rlcommon.wire import Task, WireError
+from sampler_svc.engine import EngineError, SamplerEngine
+from sampler_svc.rollouts import generate_rollouts
+
+logger = logging.getLogger("sampler")
+
+TASKS_GROUP = "samplers"
+
+
+class SamplerService:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.sampler_id = cfg.sampler.sampler_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.capacity = cfg.sampler.max_inflight_tasks
+        self.inflight: set[asyncio.Task] = set()
+        self.background: list[asyncio.Task] = []
+        self.num_rollouts = 0
+        self.num_tokens = 0
+        self.started_at = time.monotonic()
+        self.stopping = asyncio.Event()
+        self.engine: SamplerEngine | None = None
+        self.failure: BaseException | None = None
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> SamplerService:
+        cfg = self.cfg
+        self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
+        self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling).start()
+        self.conn = RedisConnection.from_config(cfg.redis)
+        self.consumer = StreamConsumer.from_config(
+            self.conn, cfg.bus, "tasks", group=TASKS_GROUP, consumer=self.sampler_id, expected=Task, limits=cfg.wire
+        )
+        self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts")
+        self.channel = open_aio_channel(cfg.coordinator.dial_address)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.metadata = auth_metadata(cfg.coordinator.auth_token)
+        start_metrics_server(cfg.sampler.metrics_port)
+        self.metrics = MetricsSink(service="sampler")
+        await self.register()
+        self.background = [asyncio.create_task(self.follow_weight_updates()), asyncio.create_task(self.heartbeats())]
+        logger.info("sampler %s ready (capacity %d tasks)", self.sampler_id, self.capacity)
+        return self
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        for task in [*self.background, *self.inflight]:
+            task.cancel()
+        await asyncio.gather(*self.background, *self.inflight, return_exceptions=True)
+        if self.engine is not None:
+            await self.engine.stop()
+        if hasattr(self, "channel"):
+            await self.channel.close()
+            self.conn.close()
+
+    # ------------------------------------------------------------------------------------------ main loop
+
+    async def run(self) -> None:
+        """Take tasks only while fewer than `capacity` are in flight; others stay for other samplers."""
+        while not self.stopping.is_set():
+            free = self.capacity - len(self.inflight)
+            if free <= 0:
+                await asyncio.wait(self.inflight, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            deliveries = await asyncio.to_thread(self.consumer.read, free)
+            for delivery in deliveries:
+                task = asyncio.create_task(self.process(delivery))
+                self.inflight.add(task)
+                task.add_done_callback(self._task_done)
+            self.metrics.gauge("requests_in_flight", len(self.inflight))
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.inflight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("task processing failed: %r", task.exception())
+            self.stopping.set()  # an engine failure: exit non-zero, the task is redelivered elsewhere
+            self.failure = task.exception()
+
+    async def process(self, delivery: Delivery) -> None:
+        task: Task = delivery.message  # type: ignore[assignment]
+        try:
+            rollouts = await generate_rollouts(self.engine, task, sampler_id=self.sampler_id, limits=self.cfg.wire)
+        except (ValueError, WireError) as err:  # a task this sampler can never serve: dead-letter it
+            logger.warning("task %s rejected: %s", task.task_id, err)
+            await asyncio.to_thread(self.consumer.reject, [delivery], reason=f"sampler {self.sampler_id}: {err}")
+            return
+        while not await asyncio.to_thread(self.producer.wait_for_room, 5.0):
+            logger.info("rollout queue is full (backpressure): waiting")
+        await asyncio.to_thread(self.producer.send_many, rollouts)
+        await asyncio.to_thread(self.consumer.ack, [delivery.entry_id])
+        self.num_rollouts += len(rollouts)
+        self.num_tokens += sum(len(r.response_ids) for r in rollouts)
+        self.metrics.gauge("rollouts_total", self.num_rollouts)
+        self.metrics.gauge("tokens_per_s", self.num_tokens / max(time.monotonic() - self.started_at, 1e-9))
+
+    # ------------------------------------------------------------------------------------ coordinator side
+
+    async def register(self) -> None:
+        request = pb.RegisterSamplerRequest(
+            sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
+            hostname=socket.gethostname(), pid=os.getpid(),
+        )
+        reply = await acall_with_retry(
+            lambda: self.stub.RegisterSampler(request, metadata=self.metadata, timeout=30), what="RegisterSampler"
+        )
+        if reply.HasField("latest") and reply.latest.weight_version > self.engine.weight_version:
+            await self.apply_update(reply.latest)
+
+    async def follow_weight_updates(self) -> None:
+        """Keep a SubscribeWeightUpdates stream open; reload and ack each update; resubscribe on loss."""
+        attempt = 0
+        while not self.stopping.is_set():
+            request = pb.SubscribeWeightUpdatesRequest(
+                sampler_id=self.sampler_id, weight_version=self.engine.weight_version
+            )
+            try:
+                async for update in self.stub.SubscribeWeightUpdates(request, metadata=self.metadata):
+                    attempt = 0
+                    await self.apply_update(update)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:  # the coordinator forgot us: register again
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await self.register()
+                elif err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    logger.warning("weight-update stream failed: %s", err.details())
+            await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+            attempt += 1
+
+    async def apply_update(self, update: pb.WeightUpdate) -> None:
+        if update.weight_version <= self.engine.weight_version:
+            error, load_s = "", 0.0
+        else:
+            started = time.perf_counter()
+            try:
+                await self.engine.reload_weights(
+                    Path(update.path), weight_version=update.weight_version, expected_sha256=update.sha256
+                )
+                error = ""
+                logger.info("now serving weight version %d (%s)", update.weight_version, update.reason)
+            except WeightsError as err:
+                error = str(err)
+                logger.error("refused weight version %d: %s (still serving %d)",
+                             update.weight_version, err, self.engine.weight_version)
+            except EngineError as err:  # the swap failed part-way: this engine cannot serve any more
+                self.failure = err
+                self.stopping.set()
+                error = f"engine failed while loading: {err}"
+            load_s = time.perf_counter() - started
+        self.metrics.gauge("weight_version", self.engine.weight_version)
+        request = pb.AckWeightVersionRequest(
+            sampler_id=self.sampler_id, weight_version=update.weight_version, error=error, load_s=load_s
+        )
+        await acall_with_retry(
+            lambda: self.stub.AckWeightVersion(request, metadata=self.metadata, timeout=30), what="AckWeightVersion"
+        )
+
+    async def heartbeats(self) -> None:
+        while not self.stopping.is_set():
+            request = pb.HeartbeatRequest(
+                sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
+                num_inflight_tasks=len(self.inflight), num_rollouts=self.num_rollouts,
+            )
+            try:
+                await self.stub.Heartbeat(request, metadata=self.metadata, timeout=10)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await self.register()
+            await asyncio.sleep(self.cfg.sampler.heartbeat_s)

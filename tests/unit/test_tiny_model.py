@@ -1,0 +1,295 @@
+"""Tiny model builder and tokenizers: round trips, folder contents, cache hits, determinism, dispatch.
+
+The builds here use a few warm-start steps (seconds); the full default warm start and the vLLM load are
+checked by hand and by the vLLM integration tests.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcommon import tiny_model
+from rlcommon.config import ModelConfig, TaskConfig
+from rlcommon.tasks import TaskSource
+from rlcommon.tokenizer import CHARS, EOS_TOKEN, CharTokenizer, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+FEW_STEPS = 4
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=CHARS, max_size=60))
+def test_char_tokenizer_round_trip(text):
+    tokenizer = CharTokenizer()
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_char_tokenizer_ids():
+    tokenizer = CharTokenizer()
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, tokenizer.unk_token_id) == (0, 1, 2, 3)
+    assert tokenizer.vocab_size == len(tokenizer.vocab) == 64
+    assert tokenizer.encode("3+4=") == [tokenizer.vocab[c] for c in "3+4="]
+    assert tokenizer.encode("A") == [tokenizer.unk_token_id]
+    assert tokenizer.decode([*tokenizer.encode("12"), tokenizer.eos_id, tokenizer.pad_id]) == "12"
+    assert (
+        tokenizer.decode(tokenizer.encode("7") + [tokenizer.eos_id], skip_special_tokens=False)
+        == "7" + EOS_TOKEN
+    )
+
+
+def test_saved_tokenizer_loads_without_torch(tmp_path):
+    CharTokenizer().save(tmp_path)
+    code = (
+        "import sys; from rlcommon.tokenizer import load_tokenizer; import rlcommon.tiny_model; "
+        f"t = load_tokenizer({str(tmp_path)!r}); "
+        "assert t.decode(t.encode('12+7= ab')) == '12+7= ab'; "
+        "assert (t.eos_token_id, t.pad_token_id, t.bos_token_id, t.vocab_size) == (2, 0, 1, 64); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+def test_load_tokenizer_hub_style_eos(tmp_path):
+    CharTokenizer().save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"content": "<unk>", "special": True}  # AddedToken form, as some hub models write
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.eos_token_ids == [2, 1, 3]
+    assert tokenizer.eos_token_id == 2
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(ValueError, match="not a folder"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(ValueError, match="tokenizer.json not found"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_tokenizer(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+
+
+def test_model_source(tmp_path):
+    assert tiny_model.model_source("tiny") == "preset"
+    assert tiny_model.model_source("small") == "preset"
+    assert tiny_model.model_source(str(tmp_path)) == "local"
+    assert tiny_model.model_source("Qwen/Qwen3-0.6B") == "hub"
+    assert tiny_model.model_source("gpt2") == "hub"
+    for bad in ["./missing-model", str(tmp_path / "missing"), "~/nope", "a/b/c", "has space/x"]:
+        with pytest.raises(ValueError, match="no such local folder"):
+            tiny_model.model_source(bad)
+
+
+def test_resolve_local_folder(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        tiny_model.resolve_model(ModelConfig(name_or_path=str(tmp_path)), TaskConfig())
+    (tmp_path / "config.json").write_text("{}")
+    assert (
+        tiny_model.resolve_model(ModelConfig(name_or_path=str(tmp_path)), TaskConfig()) == tmp_path.resolve()
+    )
+
+
+def test_resolve_preset_builds_with_config_fields(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        tiny_model, "build_tiny_model", lambda preset, **kw: calls.append((preset, kw)) or Path("x")
+    )
+    task_cfg = TaskConfig(difficulty=2)
+    model_cfg = ModelConfig(name_or_path="small", seed=3, cache_dir="/c", warm_start_steps=7)
+    assert tiny_model.resolve_model(model_cfg, task_cfg) == Path("x")
+    assert calls == [("small", {"task_cfg": task_cfg, "seed": 3, "cache_dir": "/c", "warm_start_steps": 7})]
+
+
+def test_resolve_hub_name_uses_the_download(tmp_path):
+    got = tiny_model.resolve_model(
+        ModelConfig(name_or_path="org/model"), TaskConfig(), download=lambda name: tmp_path
+    )
+    assert got == tmp_path.resolve()
+
+
+def test_resolve_hub_name_offline_is_a_clear_error(monkeypatch):
+    def offline(repo_id):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(tiny_model, "_snapshot_download", offline)
+    with pytest.raises(
+        ValueError, match=r"could not download hub model 'Qwen/Qwen3-0.6B'.*unreachable.*preset"
+    ):
+        tiny_model.resolve_model(ModelConfig(name_or_path="Qwen/Qwen3-0.6B"), TaskConfig())
+
+
+def test_cache_key_settings_follow_the_jsonl_content(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "q", "answer": "1"}\n')
+    cfg = TaskConfig(kind="jsonl", path=str(data))
+    kwargs = {"task_cfg": cfg, "seed": 0, "warm_start_steps": 1, "target_reward": 0.3}
+    before = tiny_model._settings("tiny", **kwargs)
+    data.write_text('{"question": "q", "answer": "2"}\n')
+    assert tiny_model._settings("tiny", **kwargs) != before
+
+
+def test_build_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        tiny_model.build_tiny_model(
+            "huge", task_cfg=TaskConfig(), seed=0, cache_dir=tmp_path, warm_start_steps=1
+        )
+    with pytest.raises(ValueError, match="warm_start_steps must be >= 0"):
+        tiny_model.build_tiny_model(
+            "tiny", task_cfg=TaskConfig(), seed=0, cache_dir=tmp_path, warm_start_steps=-1
+        )
+
+
+# --------------------------------------------------------------------------------------------------- build
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("models")
+    return tiny_model.build_tiny_model(
+        "tiny", task_cfg=TaskConfig(), seed=0, cache_dir=cache, warm_start_steps=FEW_STEPS
+    )
+
+
+def test_folder_contents(built):
+    names = {p.name for p in built.iterdir()}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "warm_start.json",
+    } <= names
+    config = json.loads((built / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["vocab_size"] == 64 and config["head_dim"] >= 32  # vLLM's CPU attention needs >= 32
+    assert json.loads((built / "generation_config.json").read_text())["eos_token_id"] == 2
+    report = json.loads((built / "warm_start.json").read_text())
+    assert report["warm_start_steps_run"] == FEW_STEPS
+    assert 0.2e6 < report["num_parameters"] < 0.5e6
+    assert 0.0 <= report["eval_sampled_reward"] <= 1.0
+
+
+def test_cache_hit_is_instant_and_does_not_rebuild(built, monkeypatch):
+    def no_build(*args, **kwargs):
+        raise AssertionError("rebuilt a cached model")
+
+    monkeypatch.setattr(tiny_model, "_build_into", no_build)
+    start = time.perf_counter()
+    again = tiny_model.build_tiny_model(
+        "tiny", task_cfg=TaskConfig(), seed=0, cache_dir=built.parent, warm_start_steps=FEW_STEPS
+    )
+    assert again == built
+    assert time.perf_counter() - start < 1.0
+    assert not [
+        p for p in built.parent.iterdir() if p.name.startswith(".tiny-") and p.is_dir()
+    ]  # no temp left
+
+
+def test_same_seed_same_weights_other_seed_differs(built, tmp_path):
+    from safetensors.torch import load_file
+
+    same = tiny_model.build_tiny_model(
+        "tiny", task_cfg=TaskConfig(), seed=0, cache_dir=tmp_path, warm_start_steps=FEW_STEPS
+    )
+    other = tiny_model.build_tiny_model(
+        "tiny", task_cfg=TaskConfig(), seed=1, cache_dir=tmp_path, warm_start_steps=0
+    )
+    assert same.name == built.name and other.name != same.name
+    reference, again = load_file(built / "model.safetensors"), load_file(same / "model.safetensors")
+    assert reference.keys() == again.keys()
+    assert all((reference[k] == again[k]).all() for k in reference)
+    differs = load_file(other / "model.safetensors")
+    assert any(not (reference[k] == differs[k]).all() for k in reference)
+
+
+def test_transformers_loads_the_folder(built):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(built)
+    hf_tokenizer = AutoTokenizer.from_pretrained(built)
+    ours = load_tokenizer(built)
+    text = "12+7= rev:abc"
+    assert hf_tokenizer(text)["input_ids"] == ours.encode(text)
+    assert hf_tokenizer.decode(ours.encode(text)) == text
+    assert (hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id) == (ours.eos_token_id, ours.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ours.encode("3+4=")])).logits
+    assert logits.shape == (1, 4, 64) and torch.isfinite(logits).all()
+
+
+def test_measure_reward(built):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(built)
+    problems = TaskSource(TaskConfig(eval_size=4)).eval_set()
+    value = tiny_model.measure_reward(
+        model, load_tokenizer(built), problems, samples_per_problem=2, max_new_tokens=4
+    )
+    assert 0.0 <= value <= 1.0
+    with pytest.raises(ValueError, match="samples_per_problem"):
+        tiny_model.measure_reward(
+            model, load_tokenizer(built), problems, samples_per_problem=0, max_new_tokens=4
+        )
+
+
+def test_calibration_brings_expected_reward_to_target(built):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(built)
+    tokenizer = load_tokenizer(built)
+    probe = tiny_model._teacher_batch(tokenizer, TaskSource(TaskConfig(eval_size=32)).eval_set())
+    target = tiny_model._expected_reward(model, probe) / 2
+    scale = tiny_model._calibrate_head(model, probe, target_reward=target)
+    assert 0 < scale < 1
+    assert tiny_model._expected_reward(model, probe) == pytest.approx(target, rel=1e-3)
+
+
+def test_cli_prints_the_folder(built, tmp_path, capsys):
+    out = tmp_path / "copy"
+    argv = [
+        "--preset",
+        "tiny",
+        "--cache-dir",
+        str(built.parent),
+        "--warm-start-steps",
+        str(FEW_STEPS),
+        "--out",
+        str(out),
+    ]
+    assert tiny_model.main(argv) == 0
+    assert capsys.readouterr().out.strip() == str(out.resolve())
+    assert (out / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
+
+
+def test_default_build_starts_rl_with_signal_but_unsaturated():
+    """The default run's model (same cache as the integration tests): sampled reward in [0.15, 0.45]."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model.resolve_model(ModelConfig(cache_dir=str(REPO / ".cache" / "models")), TaskConfig())
+    report = json.loads((folder / "warm_start.json").read_text())
+    assert report["sharp_expected_reward"] >= 0.9
+    assert report["probe_expected_reward"] == pytest.approx(tiny_model.TARGET_REWARD, abs=0.01)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    problems = TaskSource(TaskConfig()).eval_set()
+    value = tiny_model.measure_reward(
+        model, load_tokenizer(folder), problems, samples_per_problem=8, max_new_tokens=8, seed=123
+    )
+    assert 0.15 <= value <= 0.45

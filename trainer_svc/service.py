@@ -1,0 +1,272 @@
+"""The trainer service: reads rollouts, trains planned batches strictly in plan order, reports each step
+to the coordinator, publishes weights when asked, checkpoints, and acks only what a checkpoint covers.
+
+    start()  model (or the latest checkpoint), stream consumer, coordinator channel, metrics
+    run()    until `steps` batches are trained: read -> buffer by batch -> train the next complete batch
+    stop()   final checkpoint and state file
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coordinator.auth import auth_metadata, open_channel
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+from rlcommon.bus import Delivery, RedisConnection, StreamConsumer
+from rlcommon.config import RunConfig
+from rlcommon.metrics import MetricsSink, start_metrics_server
+from rlcommon.rpc import call_with_retry
+from rlcommon.tiny_model import resolve_model
+from rlcommon.tokenizer import load_tokenizer
+from rlcommon.weight_store import publish_version
+from rlcommon.wire import Rollout
+from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_svc.step import TrainStep
+
+logger = logging.getLogger("trainer")
+
+ROLLOUTS_GROUP = "trainer"
+
+
+@dataclass
+class BatchBuffer:
+    """Rollouts of one planned batch as they arrive, deduplicated by rollout id."""
+
+    rollouts: dict[str, Rollout] = field(default_factory=dict)
+    entry_ids: list[bytes] = field(default_factory=list)
+
+
+class TrainerService:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.batch_size = cfg.coordinator.batch_size
+        self.group_size = cfg.coordinator.group_size
+        self.samples_per_batch = self.batch_size * self.group_size
+        self.buffers: dict[int, BatchBuffer] = defaultdict(BatchBuffer)
+        self.next_batch_id = 0
+        self.duplicates_dropped = 0
+        self.skipped_batches = 0
+        self.rejected_rollouts = 0
+        self.unacked_entry_ids: list[bytes] = []
+        self.release_after: dict[int, int] = {}
+        """weight version -> last batch id that may hold its rollouts (set once no live sampler serves it)."""
+        self._stopping = False
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> TrainerService:
+        cfg = self.cfg
+        torch.manual_seed(cfg.trainer.seed)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if cfg.trainer.device == "cpu":
+            torch.set_num_threads(max(1, int(os.environ.get("DLC_TRAINER_THREADS", "1"))))
+        self.model_dir = resolve_model(cfg.model, cfg.task)
+        from transformers import AutoModelForCausalLM
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.trainer.dtype]
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(cfg.trainer.device)
+        tokenizer = load_tokenizer(self.model_dir)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.train_step = TrainStep(model, config=cfg.trainer, pad_id=pad_id)
+        checkpoint = latest_checkpoint(self.checkpoint_dir)
+        if checkpoint is not None:
+            state = load_checkpoint(checkpoint, train_step=self.train_step)
+            self.next_batch_id = int(state.get("next_batch_id", self.train_step.step))
+            self.duplicates_dropped = int(state.get("duplicates_dropped", 0))
+            self.skipped_batches = int(state.get("skipped_batches", 0))
+            logger.info("resumed from %s: step %d, weight version %d, next batch %d",
+                        checkpoint, self.train_step.step, self.train_step.weight_version, self.next_batch_id)
+
+        self.conn = RedisConnection.from_config(cfg.redis)
+        self.consumer = StreamConsumer.from_config(
+            self.conn, cfg.bus, "rollouts", group=ROLLOUTS_GROUP, consumer=f"trainer-{socket.gethostname()}",
+            expected=Rollout, limits=cfg.wire,
+        )
+        self.channel = open_channel(cfg.coordinator.dial_address)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.metadata = auth_metadata(cfg.coordinator.auth_token)
+        start_metrics_server(cfg.trainer.metrics_port)
+        self.metrics = MetricsSink(
+            service="trainer", jsonl_path=self.run_dir / "metrics.jsonl", tensorboard_dir=self.run_dir / "tensorboard"
+        )
+        return self
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.write_state()
+        self.metrics.close()
+        self.channel.close()
+        self.conn.close()
+
+    # ------------------------------------------------------------------------------------------ main loop
+
+    def run(self) -> None:
+        """Train batches in plan order until `steps` are done (or stop() is called)."""
+        while self.train_step.step < self.cfg.steps and not self._stopping:
+            buffer = self.buffers.get(self.next_batch_id)
+            if buffer is not None and len(buffer.rollouts) == self.samples_per_batch:
+                self.train_batch(self.next_batch_id)
+                continue
+            self.metrics.gauge("rollout_queue_depth", self.consumer.pending_count())
+            self.accept(self.consumer.read(count=4 * self.samples_per_batch))
+        logger.info("done: %d steps trained", self.train_step.step)
+
+    def accept(self, deliveries: list[Delivery]) -> None:
+        """Buffer valid rollouts of planned batches; drop duplicates; dead-letter what cannot be trained."""
+        horizon = self.next_batch_id + self.cfg.coordinator.max_inflight_batches + 1
+        rejects: dict[str, list[Delivery]] = defaultdict(list)
+        for delivery in deliveries:
+            rollout: Rollout = delivery.message  # type: ignore[assignment]
+            problem = self.rollout_problem(rollout, horizon=horizon)
+            if problem is not None:
+                rejects[problem].append(delivery)
+                continue
+            if rollout.batch_id < self.next_batch_id:  # already trained (and checkpointed): redelivery
+                self.duplicates_dropped += 1
+                self.consumer.ack([delivery.entry_id])
+                continue
+            buffer = self.buffers[rollout.batch_id]
+            buffer.entry_ids.append(delivery.entry_id)
+            if rollout.rollout_id in buffer.rollouts:
+                self.duplicates_dropped += 1
+                continue
+            buffer.rollouts[rollout.rollout_id] = rollout
+        for reason, items in rejects.items():
+            self.rejected_rollouts += len(items)
+            logger.warning("dead-lettering %d rollouts: %s", len(items), reason)
+            self.consumer.reject(items, reason=reason)
+
+    def rollout_problem(self, rollout: Rollout, *, horizon: int) -> str | None:
+        """Why a decoded rollout cannot be trained, or None."""
+        if rollout.batch_id >= horizon:
+            return f"batch_id {rollout.batch_id} is not planned (next batch {self.next_batch_id}, horizon {horizon})"
+        if rollout.group_id >= self.batch_size:
+            return f"group_id {rollout.group_id} >= batch_size {self.batch_size}"
+        if rollout.sample_index >= self.group_size:
+            return f"sample_index {rollout.sample_index} >= group_size {self.group_size}"
+        if rollout.weight_version > self.train_step.weight_version:
+            return f"weight_version {rollout.weight_version} is newer than the published {self.train_step.weight_version}"
+        if not self.train_step.snapshots.is_kept(rollout.weight_version) and rollout.batch_id >= self.next_batch_id:
+            return f"weight_version {rollout.weight_version} is no longer kept by the trainer"
+        return None
+
+    def train_batch(self, batch_id: int) -> None:
+        buffer = self.buffers.pop(batch_id)
+        rollouts = sorted(buffer.rollouts.values(), key=lambda r: (r.group_id, r.sample_index))
+        self.rpc("MarkBatchComplete", pb.MarkBatchCompleteRequest(batch_id=batch_id, num_rollouts=len(rollouts)))
+        result = self.train_step.train_on(rollouts)
+        if result.skipped:
+            self.skipped_batches += 1
+        step = self.train_step.step - 1
+        stats = {k: float(v) for k, v in result.metrics.items() if isinstance(v, int | float)}
+        reply = self.rpc(
+            "ReportStep",
+            pb.ReportStepRequest(step=step, batch_id=batch_id, weight_version=self.train_step.weight_version, stats=stats),
+        )
+        synced = None
+        if reply.publish:
+            synced = self.publish(reply.next_weight_version, step=step, reason=reply.reason)
+        self.next_batch_id = batch_id + 1
+        self.unacked_entry_ids.extend(buffer.entry_ids)
+        if self.train_step.step % self.cfg.trainer.checkpoint_every == 0 or self.train_step.step >= self.cfg.steps:
+            self.checkpoint()
+        self.release_old_versions()
+        record = {
+            "batch_id": batch_id,
+            **result.metrics,
+            "publish": bool(reply.publish),
+            "sync_reason": reply.reason if reply.publish else "",
+            "published_version": synced,
+            "skip_reason": result.skip_reason or "",
+        }
+        self.metrics.log(step, record)
+        logger.info(
+            "step %d batch %d reward %.3f ess_lag %.3f version %d%s",
+            step, batch_id, result.metrics.get("reward_mean", float("nan")), result.metrics.get("ess_lag", float("nan")),
+            self.train_step.weight_version, f" -> published v{synced} ({reply.reason})" if synced is not None else "",
+        )
+
+    def publish(self, weight_version: int, *, step: int, reason: str) -> int:
+        published = publish_version(
+            self.train_step.model, publish_dir=self.cfg.publish_dir, weight_version=weight_version,
+            step=step, source_dir=self.model_dir,
+        )
+        self.train_step.mark_published(weight_version)
+        self.rpc(
+            "AnnouncePublished",
+            pb.AnnouncePublishedRequest(
+                weight_version=weight_version, path=str(Path(published.path).resolve()), sha256=published.sha256,
+                step=step, reason=reason,
+            ),
+        )
+        return weight_version
+
+    def checkpoint(self) -> None:
+        """Checkpoint, then ack every rollout entry the checkpoint covers."""
+        save_checkpoint(
+            self.checkpoint_dir, train_step=self.train_step, keep=self.cfg.trainer.keep_checkpoints,
+            extra_state={"next_batch_id": self.next_batch_id, "duplicates_dropped": self.duplicates_dropped,
+                         "skipped_batches": self.skipped_batches},
+        )
+        if self.unacked_entry_ids:
+            self.consumer.ack(self.unacked_entry_ids)
+            self.unacked_entry_ids = []
+        self.write_state()
+
+    def release_old_versions(self) -> None:
+        """Drop snapshots that no planned batch can contain any more.
+
+        Once every live sampler serves a version newer than v, only batches planned so far can hold
+        rollouts of v (later batches' tasks do not exist yet); v is released when all of those are trained.
+        """
+        status = self.rpc("GetStatus", pb.GetStatusRequest())
+        serving = [s.weight_version for s in status.samplers if s.health != pb.SAMPLER_LOST]
+        floor = min(serving, default=self.train_step.weight_version)
+        last_planned = status.batches.total - 1
+        for version in self.train_step.snapshots.versions:
+            if version < floor and version not in self.release_after:
+                self.release_after[version] = last_planned
+        buffered = {r.weight_version for b in self.buffers.values() for r in b.rollouts.values()}
+        keep_from = self.train_step.weight_version
+        for version in sorted(self.train_step.snapshots.versions):
+            last = self.release_after.get(version)
+            if last is None or last >= self.next_batch_id or version in buffered:
+                keep_from = version
+                break
+        released = self.train_step.snapshots.release_below(keep_from)
+        for version in released:
+            self.release_after.pop(version, None)
+        if released:
+            logger.info("released weight snapshots %s", released)
+
+    def write_state(self) -> None:
+        state = {
+            "steps": self.train_step.step,
+            "next_batch_id": self.next_batch_id,
+            "weight_version": self.train_step.weight_version,
+            "duplicates_dropped": self.duplicates_dropped,
+            "skipped_batches": self.skipped_batches,
+            "rejected_rollouts": self.rejected_rollouts,
+            "updated_at": time.time(),
+        }
+        path = self.run_dir / "trainer_state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def rpc(self, method: str, request: Any) -> Any:
+        fn = getattr(self.stub, method)
+        return call_with_retry(lambda: fn(request, metadata=self.metadata, timeout=30), what=method)
