@@ -13,6 +13,7 @@ its log is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,59 +285,119 @@ class Progress:
             self.bar.close()
 
 
-def run(cfg: RunConfig, *, progress_bar: bool = True, config_dir: Path | None = None) -> dict[str, Any]:
-    """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content."""
-    from rlcommon.embedded_redis import EmbeddedRedis
+class LocalStack:
+    """redis-server (embedded unless `redis.url` is set), coordinator, samplers and trainer as processes.
+
+    The launcher's `run` drives one; the end-to-end and fault-injection tests drive it directly
+    (`kill`, `restart`, `restart_redis`) to exercise the real stack.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self.log_dir = self.run_dir / "logs"
+        self.processes: dict[str, ServiceProcess] = {}
+        self.redis_server = None
+        self.redis_url = cfg.redis.url
+        self.port = cfg.coordinator.port if cfg.coordinator.port not in (0, 50051) else free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.specs: dict[str, ServiceSpec] = {}
+
+    def start(self) -> LocalStack:
+        from rlcommon.embedded_redis import EmbeddedRedis
+        from rlcommon.tiny_model import resolve_model
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("model: %s", self.cfg.model.name_or_path)
+        model_dir = resolve_model(self.cfg.model, self.cfg.task)
+        config_path = self.run_dir / "config.toml"
+        config_path.write_text(dump_toml(self.cfg))
+        if self.redis_url is None:
+            self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis").start()
+            self.redis_url = self.redis_server.url
+        specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
+                              model_dir=str(model_dir), coordinator_port=self.port)
+        self.specs = {spec.name: spec for spec in specs}
+        self.start_service("coordinator")
+        wait_for_coordinator(self.address, timeout_s=120, watch=list(self.processes.values()))
+        for name in self.specs:
+            if name != "coordinator":
+                self.start_service(name)
+        return self
+
+    def start_service(self, name: str) -> ServiceProcess:
+        proc = ServiceProcess(self.specs[name], self.log_dir)
+        self.processes[name] = proc
+        return proc
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a service's whole process group (engine children included), as a crash would."""
+        proc = self.processes.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.process.pid, signal.SIGKILL)
+        proc.process.wait(timeout=30)
+        proc.stop()
+
+    def restart(self, name: str, *, kill: bool = False) -> ServiceProcess:
+        if kill:
+            self.kill(name)
+        else:
+            self.processes.pop(name).stop()
+        proc = self.start_service(name)
+        if name == "coordinator":
+            wait_for_coordinator(self.address, timeout_s=120, watch=[proc])
+        return proc
+
+    def check_alive(self) -> None:
+        check_alive(list(self.processes.values()))
+
+    def stop(self) -> None:
+        for name in reversed(list(self.processes)):
+            self.processes.pop(name).stop()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+
+def run(
+    cfg: RunConfig,
+    *,
+    progress_bar: bool = True,
+    before_stop: Callable[[LocalStack], None] | None = None,
+) -> dict[str, Any]:
+    """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content.
+
+    `before_stop(stack)` runs while every service is still up (tests query the live coordinator there).
+    """
     from rlcommon.plots import plot_run
-    from rlcommon.tiny_model import resolve_model
 
-    run_dir = Path(cfg.run_dir).resolve()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    logger.info("model: %s", cfg.model.name_or_path)
-    model_dir = resolve_model(cfg.model, cfg.task)
-    config_path = run_dir / "config.toml"
-    config_path.write_text(dump_toml(cfg))
-
-    redis_server = None
-    redis_url = cfg.redis.url
-    if redis_url is None:
-        redis_server = EmbeddedRedis(cfg.redis.data_dir or run_dir / "redis").start()
-        redis_url = redis_server.url
-    port = cfg.coordinator.port if cfg.coordinator.port not in (0, 50051) else free_port()
-    specs = service_specs(cfg=cfg, config_path=config_path, redis_url=redis_url, model_dir=str(model_dir),
-                          coordinator_port=port)
-    address = f"127.0.0.1:{port}"
-    processes: list[ServiceProcess] = []
-    progress = Progress(total=cfg.steps, metrics_path=run_dir / "metrics.jsonl", bar=progress_bar)
+    stack = LocalStack(cfg)
+    progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar)
     try:
-        coordinator = ServiceProcess(specs[0], run_dir / "logs")
-        processes.append(coordinator)
-        wait_for_coordinator(address, timeout_s=120, watch=processes)
-        for spec in specs[1:]:
-            processes.append(ServiceProcess(spec, run_dir / "logs"))
-        trainer = processes[-1]
+        stack.start()
         while True:
             rows = progress.update()
+            trainer = stack.processes["trainer"]
             if trainer.poll() == 0 and len(rows) >= cfg.steps:
                 break
-            check_alive(processes)
+            stack.check_alive()
             time.sleep(0.5)
         rows = progress.update()
-        snapshot = coordinator_snapshot(address)
-        snapshot["dead_letters"] = dead_letter_count(redis_url, cfg.bus.run_id)
+        snapshot = coordinator_snapshot(stack.address)
+        snapshot["dead_letters"] = dead_letter_count(stack.redis_url, cfg.bus.run_id)
+        if before_stop is not None:
+            before_stop(stack)
     finally:
         progress.close()
-        for proc in reversed(processes):
-            proc.stop()
-        if redis_server is not None:
-            redis_server.stop()
+        stack.stop()
     snapshot["wall_seconds"] = round(time.monotonic() - started, 1)
-    trainer_state_path = run_dir / "trainer_state.json"
+    trainer_state_path = stack.run_dir / "trainer_state.json"
     trainer_state = json.loads(trainer_state_path.read_text()) if trainer_state_path.exists() else {}
     summary = build_summary(cfg=cfg, rows=rows, coordinator=snapshot, trainer_state=trainer_state)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_run(rows=rows, syncs=summary["syncs"], out_dir=run_dir / "plots", ess_threshold=cfg.coordinator.ess_threshold)
+    (stack.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plots = plot_run(rows=rows, syncs=summary["syncs"], out_dir=stack.run_dir / "plots",
+                     ess_threshold=cfg.coordinator.ess_threshold)
+    logger.info("plots: %s", ", ".join(str(p) for p in plots))
     return summary
 
 

@@ -75,7 +75,7 @@ class MetricsSink:
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record one step: a JSONL line with every value, TB scalars and gauges for the numeric ones."""
-        record = {"step": step, **values}
+        record = {**values, "step": step}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
         for key, value in values.items():

@@ -59,6 +59,7 @@ def plot_run(
     figure("reward", "Mean reward per step", "reward", [("reward_mean", "reward")])
     figure("ess_lag", "ESS of the lag ratio", "ess", [("ess_lag", "ess_lag"), ("ess_full", "ess_full")], ess_threshold)
     figure("staleness", "Staleness (trainer version - rollout version)", "versions",
-           [("staleness_mean", "mean"), ("staleness_max", "max")])
-    figure("response_length", "Mean response length", "tokens", [("response_length", "response length")])
+           [("staleness_mean", "mean (versions)"), ("staleness_max", "max (versions)"),
+            ("staleness_steps_max", "max (trainer steps)")])
+    figure("response_length", "Mean response length", "tokens", [("response_length_mean", "response length")])
     return written

@@ -183,5 +183,7 @@ class TrainStep:
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
             "staleness_steps_max": float(max(staleness_steps)),
+            "rollout_version_min": float(min(versions)),
+            "rollout_version_max": float(max(versions)),
             "num_rollouts": float(batch.batch_size),
         }

@@ -144,3 +144,27 @@ def test_gpu_reservations_and_cpu_override():
 def test_every_service_has_healthcheck():
     for name, service in BASE["services"].items():
         assert "healthcheck" in service, name
+
+
+def test_launcher_starts_the_compose_entrypoints_with_the_same_settings(tmp_path):
+    """`make run` must start what `docker compose up` starts: same modules, same config file, and every
+    DLC_* variable compose sets is set by the launcher too (values differ only where the host does)."""
+    from rlcommon.launcher import service_specs
+
+    cfg = load_config(RunConfig, [REPO / "configs/default.toml"], ["--num_samplers=2"])
+    specs = service_specs(cfg=cfg, config_path=tmp_path / "config.toml", redis_url="redis://127.0.0.1:1/0",
+                          model_dir="/models/tiny", coordinator_port=50051)
+    by_service: dict[str, list] = {}
+    for spec in specs:
+        by_service.setdefault(spec.name.split("-")[0], []).append(spec)
+    assert {name: len(v) for name, v in by_service.items()} == {"coordinator": 1, "sampler": 2, "trainer": 1}
+    for name, launched in by_service.items():
+        compose = BASE["services"][name]
+        module = compose["command"][2]
+        compose_env = {k for k in compose["environment"] if k.startswith("DLC_")}
+        for spec in launched:
+            assert spec.module == module
+            assert spec.argv[-2] == "--config" and compose["command"][-2] == "--config"
+            missing = compose_env - set(spec.env)
+            assert not missing, f"{spec.name}: the launcher does not set {sorted(missing)}"
+    assert len({s.env["DLC_SAMPLER__SAMPLER_ID"] for s in by_service["sampler"]}) == 2
