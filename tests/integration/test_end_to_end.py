@@ -15,7 +15,7 @@ from rlcommon.launcher import run
 from rlcommon.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 6
+STEPS = 8
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -39,6 +39,8 @@ def finished_run(tmp_path_factory):
             f"--steps={STEPS}",
             f"--run_dir={run_dir}",
             "--coordinator.ess_threshold=0.99",
+            "--coordinator.max_inflight_batches=1",
+            "--trainer.lr=2e-3",
             "--bus.run_id=e2e",
             f"--model.cache_dir={REPO / '.cache/models'}",
         ],
