@@ -38,6 +38,10 @@ CHARS = "0123456789abcdefghijklmnopqrstuvwxyz \n+-*/=.,?!:;#$%&()'\"_<>"
 """The character vocabulary (ids 4..63): digits, lowercase letters, space, newline, operators, punctuation."""
 
 
+CHAR_LEVEL_KEY = "dlc_char_level"
+"""tokenizer_config.json flag of the character-level tokenizer: special tokens are never parsed from text."""
+
+
 class TextTokenizer:
     """A `tokenizers.Tokenizer` with its special-token ids: the one tokenizer object every service uses.
 
@@ -100,6 +104,7 @@ class CharTokenizer(TextTokenizer):
 
     def __init__(self) -> None:
         tok = _build_char_tokenizer()
+        tok.encode_special_tokens = True  # text is text: "<eos>" typed in a prompt is 5 characters, not EOS
         super().__init__(
             tok,
             eos_token_ids=[tok.token_to_id(EOS_TOKEN)],
@@ -147,6 +152,7 @@ class CharTokenizer(TextTokenizer):
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": 2048,
+            CHAR_LEVEL_KEY: True,
             "added_tokens_decoder": {
                 str(self.tokenizer.token_to_id(t)): {
                     "content": t,
@@ -226,6 +232,8 @@ def load_tokenizer(model_dir: str | Path) -> TextTokenizer:
             f"load_tokenizer: no EOS token found in {folder} (generation_config.json eos_token_id, "
             "config.json eos_token_id or tokenizer_config.json eos_token)"
         )
+    if tok_config.get(CHAR_LEVEL_KEY):
+        tok.encode_special_tokens = True  # not stored in tokenizer.json; see CharTokenizer
     return TextTokenizer(
         tok, eos_token_ids=eos_ids, pad_token_id=token_id("pad_token"), bos_token_id=token_id("bos_token")
     )

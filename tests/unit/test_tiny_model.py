@@ -293,3 +293,12 @@ def test_default_build_starts_rl_with_signal_but_unsaturated():
         model, load_tokenizer(folder), problems, samples_per_problem=8, max_new_tokens=8, seed=123
     )
     assert 0.15 <= value <= 0.45
+
+
+def test_special_token_text_is_not_parsed_as_a_special_token(tmp_path):
+    tokenizer = CharTokenizer()
+    assert tokenizer.encode("1<eos>2") == [tokenizer.vocab[c] for c in "1<eos>2"]
+    tokenizer.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.encode("<bos>") == [tokenizer.vocab[c] for c in "<bos>"]
+    assert loaded.decode(loaded.encode("a<pad>b")) == "a<pad>b"
