@@ -124,6 +124,8 @@ class ServiceProcess:
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGCONT)  # a paused (SIGSTOP) service must see the SIGTERM
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -338,6 +340,19 @@ class LocalStack:
         proc.process.wait(timeout=30)
         proc.stop()
 
+    def send_signal(self, name: str, signum: int) -> None:
+        """Signal a service's whole process group (SIGSTOP / SIGCONT pause and resume it, engine included)."""
+        os.killpg(self.processes[name].process.pid, signum)
+
+    def restart_redis(self, *, down_s: float = 0.0) -> None:
+        """Stop the embedded redis-server cleanly (it flushes its append-only file), leave it down `down_s`,
+        and start it again on the same port and folder; the services reconnect by themselves."""
+        if self.redis_server is None:
+            raise RuntimeError("this stack uses redis.url: it does not own a redis-server to restart")
+        self.redis_server.stop()
+        time.sleep(down_s)
+        self.redis_server.start()
+
     def restart(self, name: str, *, kill: bool = False) -> ServiceProcess:
         if kill:
             self.kill(name)
@@ -363,10 +378,12 @@ def run(
     *,
     progress_bar: bool = True,
     before_stop: Callable[[LocalStack], None] | None = None,
+    on_progress: Callable[[LocalStack, list[dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content.
 
-    `before_stop(stack)` runs while every service is still up (tests query the live coordinator there).
+    `on_progress(stack, rows)` runs at every poll with the metrics rows so far; `before_stop(stack)` runs
+    once the trainer is done, while the other services are still up (tests query them there).
     """
     from rlcommon.plots import plot_run
 
@@ -377,6 +394,8 @@ def run(
         stack.start()
         while True:
             rows = progress.update()
+            if on_progress is not None:
+                on_progress(stack, rows)
             trainer = stack.processes["trainer"]
             if trainer.poll() == 0 and len(rows) >= cfg.steps:
                 break

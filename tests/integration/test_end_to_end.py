@@ -29,6 +29,17 @@ def dlcctl(stack, *args: str) -> dict:
     return json.loads(out.getvalue())
 
 
+def scrape(log_path: Path) -> str:
+    """GET the Prometheus page of a service, whose port (picked free) the service logged at start-up."""
+    import re
+    import urllib.request
+
+    match = re.search(r"prometheus metrics on :(\d+)/metrics", log_path.read_text())
+    assert match, f"{log_path.name}: no metrics port logged"
+    with urllib.request.urlopen(f"http://127.0.0.1:{match.group(1)}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("e2e")
@@ -46,15 +57,24 @@ def finished_run(tmp_path_factory):
         ],
     )
     cfg.coordinator.total_batches = STEPS
-    live: dict = {}
+    live: dict = {"prometheus": {}}
 
     def before_stop(stack):
         live["status"] = dlcctl(stack, "status")
         live["batches"] = dlcctl(stack, "batches")
         live["samplers"] = dlcctl(stack, "samplers")
         live["syncs"] = dlcctl(stack, "syncs")
+        live["prometheus"].update({name: scrape(stack.log_dir / f"{name}.log") for name in ("coordinator", "sampler-0")})
 
-    summary = run(cfg, progress_bar=False, before_stop=before_stop)
+    def on_progress(stack, rows):
+        # The trainer exits once done: scrape it while it runs (steps take ~0.3 s; several polls see it).
+        if rows and stack.processes["trainer"].poll() is None:
+            try:
+                live["prometheus"]["trainer"] = scrape(stack.log_dir / "trainer.log")
+            except OSError:
+                pass  # it finished between the poll and the scrape
+
+    summary = run(cfg, progress_bar=False, before_stop=before_stop, on_progress=on_progress)
     return {"summary": summary, "live": live, "run_dir": run_dir, "rows": read_jsonl(run_dir / "metrics.jsonl")}
 
 
@@ -116,3 +136,17 @@ def test_run_folder_has_plots_metrics_and_logs(finished_run):
     assert (run_dir / "summary.json").is_file()
     assert list((run_dir / "tensorboard").iterdir())
     assert list((run_dir / "checkpoints").iterdir())
+
+
+def test_every_service_exports_prometheus_metrics(finished_run):
+    pages = finished_run["live"]["prometheus"]
+    if "trainer" not in pages:
+        pytest.skip("the trainer finished before a poll could scrape it (covered by test_metrics.py)")
+    for name in ("dlc_trainer_ess_lag", "dlc_trainer_reward_mean", "dlc_trainer_staleness_mean",
+                 "dlc_trainer_rollout_queue_depth"):
+        assert name in pages["trainer"]
+    for name in ("dlc_sampler_weight_version", "dlc_sampler_tokens_per_s", "dlc_sampler_requests_in_flight"):
+        assert name in pages["sampler-0"]
+    for name in ("dlc_coordinator_published_version", "dlc_coordinator_batches_trained", "dlc_coordinator_syncs",
+                 "dlc_coordinator_samplers_unhealthy"):
+        assert name in pages["coordinator"]

@@ -1,0 +1,31 @@
+"""The metrics sink: JSONL lines, TensorBoard files and Prometheus gauges served over HTTP."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from rlcommon.metrics import MetricsSink, read_jsonl, start_metrics_server
+
+
+def test_sink_writes_jsonl_tensorboard_and_prometheus(tmp_path):
+    port = start_metrics_server(0)
+    sink = MetricsSink(service="unittest", jsonl_path=tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb")
+    sink.log(0, {"ess_lag": 0.75, "reward_mean": 0.5, "publish": True, "sync_reason": "x", "step": 99.0})
+    sink.log(1, {"ess_lag": float("nan"), "reward_mean": 0.6})
+    sink.close()
+    rows = read_jsonl(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]  # the step argument wins over a `step` value
+    assert rows[0]["sync_reason"] == "x" and rows[0]["publish"] is True
+    assert list((tmp_path / "tb").iterdir())
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        page = reply.read().decode()
+    assert "dlc_unittest_ess_lag 0.75" in page  # the NaN of step 1 did not overwrite it
+    assert "dlc_unittest_reward_mean 0.6" in page
+    assert "dlc_unittest_publish" not in page  # booleans and strings are not gauges
+
+
+def test_read_jsonl_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"st')
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1]
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
