@@ -604,12 +604,30 @@ class StreamConsumer:
     def _xreadgroup(
         self, start: bytes, count: int, *, block_ms: int | None
     ) -> list[tuple[bytes, dict | None]]:
-        response = self.conn.call(
+        response = self._call_delivering(
             lambda client: client.xreadgroup(
                 self.group, self.consumer, {self.stream: start}, count=count, block=block_ms
             )
         )
         return list(response[0][1]) if response else []
+
+    def _call_delivering(self, fn: Callable[[redis.Redis], T]) -> T:
+        """`conn.call` of a command that assigns entries to this consumer (XREADGROUP, XCLAIM). When the
+        connection broke during it, Redis may have assigned entries in a reply that was lost: they are
+        pending at this consumer, which nobody else claims while it lives, so the next read re-reads this
+        consumer's pending entries (at-least-once: an entry already being worked on may come back)."""
+        attempts = 0
+
+        def attempt(client: redis.Redis) -> T:
+            nonlocal attempts
+            attempts += 1
+            return fn(client)
+
+        result = self.conn.call(attempt)
+        if attempts > 1 and self._history_cursor is None:
+            log.info("%s: connection lost during a read; re-reading its pending entries of %s", self.consumer, self.stream)
+            self._history_cursor = b"0"
+        return result
 
     def _claim_idle(self, count: int) -> tuple[list[tuple[bytes, dict | None]], dict[bytes, int]]:
         """XCLAIM up to `count` entries pending at *other* consumers for longer than claim_idle_ms.
@@ -641,7 +659,7 @@ class StreamConsumer:
             if not rows:
                 continue
             times = {row["message_id"]: int(row["times_delivered"]) + 1 for row in rows}
-            claimed = self.conn.call(
+            claimed = self._call_delivering(
                 lambda client, ids=list(times): client.xclaim(
                     self.stream, self.group, self.consumer, self.claim_idle_ms, ids
                 )

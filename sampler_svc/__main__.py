@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 import sys
 
-from rlcommon.config import ConfigError, RunConfig, load_config
+from rlcommon.config import ConfigError, RunConfig, parse_service_args
 from rlcommon.logs import setup_logging
 
 logger = logging.getLogger("sampler")
@@ -36,11 +35,8 @@ async def serve(cfg: RunConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sampler_svc", description=__doc__)
-    parser.add_argument("--config", action="append", default=[], help="TOML config (repeatable; later wins)")
-    args, overrides = parser.parse_known_args(argv)
     try:
-        cfg = load_config(RunConfig, args.config, overrides, use_env=True)
+        cfg = parse_service_args("python -m sampler_svc", __doc__, argv)
     except ConfigError as err:
         print(f"sampler: {err}", file=sys.stderr)
         return 2

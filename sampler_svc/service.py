@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -42,6 +43,7 @@ class SamplerService:
         self.sampler_id = cfg.sampler.sampler_id or f"{socket.gethostname()}-{os.getpid()}"
         self.capacity = cfg.sampler.max_inflight_tasks
         self.inflight: set[asyncio.Task] = set()
+        self.inflight_entries: set[bytes] = set()
         self.background: list[asyncio.Task] = []
         self.num_rollouts = 0
         self.num_tokens = 0
@@ -93,13 +95,17 @@ class SamplerService:
                 continue
             deliveries = await asyncio.to_thread(self.consumer.read, free)
             for delivery in deliveries:
+                if delivery.entry_id in self.inflight_entries:  # re-read after a lost connection: in hand
+                    continue
                 task = asyncio.create_task(self.process(delivery))
                 self.inflight.add(task)
-                task.add_done_callback(self._task_done)
+                self.inflight_entries.add(delivery.entry_id)
+                task.add_done_callback(functools.partial(self._task_done, entry_id=delivery.entry_id))
             self.metrics.gauge("requests_in_flight", len(self.inflight))
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task, *, entry_id: bytes) -> None:
         self.inflight.discard(task)
+        self.inflight_entries.discard(entry_id)
         if not task.cancelled() and task.exception() is not None:
             logger.error("task processing failed: %r", task.exception())
             self.stopping.set()  # an engine failure: exit non-zero, the task is redelivered elsewhere
@@ -108,6 +114,7 @@ class SamplerService:
     async def process(self, delivery: Delivery) -> None:
         task: Task = delivery.message  # type: ignore[assignment]
         try:
+            self.check_task(task)
             rollouts = await generate_rollouts(self.engine, task, sampler_id=self.sampler_id, limits=self.cfg.wire)
         except (ValueError, WireError) as err:  # a task this sampler can never serve: dead-letter it
             logger.warning("task %s rejected: %s", task.task_id, err)
@@ -121,6 +128,15 @@ class SamplerService:
         self.num_tokens += sum(len(r.response_ids) for r in rollouts)
         self.metrics.gauge("rollouts_total", self.num_rollouts)
         self.metrics.gauge("tokens_per_s", self.num_tokens / max(time.monotonic() - self.started_at, 1e-9))
+
+    def check_task(self, task: Task) -> None:
+        """ValueError unless the task fits the run's plan shape (B groups of G samples): a task that does not
+        would make rollouts the trainer can never use, so it is dead-lettered before any generation."""
+        plan = self.cfg.coordinator
+        if task.group_size != plan.group_size:
+            raise ValueError(f"group_size {task.group_size} != coordinator.group_size {plan.group_size}")
+        if task.group_id >= plan.batch_size:
+            raise ValueError(f"group_id {task.group_id} >= coordinator.batch_size {plan.batch_size}")
 
     # ------------------------------------------------------------------------------------ coordinator side
 

@@ -4,6 +4,12 @@ to the coordinator, publishes weights when asked, checkpoints, and acks only wha
     start()  model (or the latest checkpoint), stream consumer, coordinator channel, metrics
     run()    until `steps` batches are trained: read -> buffer by batch -> train the next complete batch
     stop()   final checkpoint and state file
+
+After a crash the trainer resumes from its latest checkpoint and replays what came after it: its own
+pending rollouts are re-read first (nothing after the checkpoint was acked), the steps after the checkpoint
+are trained again (deterministically: the same batches in the same order), the coordinator answers their
+re-reports as it did the first time, a version already published at a replayed step is reused (its folder
+verified, not rewritten), and metrics.jsonl is cut back to the checkpoint's step so each step has one row.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import torch
 
 from coordinator.auth import auth_metadata, open_channel
+from coordinator.planner import task_id_of
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon.bus import Delivery, RedisConnection, StreamConsumer
@@ -29,8 +36,16 @@ from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.rpc import call_with_retry
 from rlcommon.tiny_model import resolve_model
 from rlcommon.tokenizer import load_tokenizer
-from rlcommon.weight_store import publish_version
+from rlcommon.weight_store import (
+    PublishedVersion,
+    WeightsError,
+    manifest_sha256,
+    publish_version,
+    verify_version_folder,
+    version_folder,
+)
 from rlcommon.wire import Rollout
+from sampler_svc.rollouts import rollout_id as slot_rollout_id
 from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_svc.step import TrainStep
 
@@ -41,9 +56,9 @@ ROLLOUTS_GROUP = "trainer"
 
 @dataclass
 class BatchBuffer:
-    """Rollouts of one planned batch as they arrive, deduplicated by rollout id."""
+    """Rollouts of one planned batch as they arrive: one per slot (group_id, sample_index)."""
 
-    rollouts: dict[str, Rollout] = field(default_factory=dict)
+    rollouts: dict[tuple[int, int], Rollout] = field(default_factory=dict)
     entry_ids: list[bytes] = field(default_factory=list)
 
 
@@ -61,6 +76,11 @@ class TrainerService:
         self.skipped_batches = 0
         self.rejected_rollouts = 0
         self.unacked_entry_ids: list[bytes] = []
+        self.published_version = 0
+        """The coordinator's latest published weight version (ahead of the trainer's while it replays)."""
+        self.planned_batches = 0
+        """Batches the coordinator has planned (ahead of next_batch_id + max_inflight_batches while replaying)."""
+        self._next_status_check_s = 0.0
         self.release_after: dict[int, int] = {}
         """weight version -> last batch id that may hold its rollouts (set once no live sampler serves it)."""
         self._stopping = False
@@ -98,10 +118,14 @@ class TrainerService:
         self.channel = open_channel(cfg.coordinator.dial_address)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.metadata = auth_metadata(cfg.coordinator.auth_token)
+        self.refresh_status()
         start_metrics_server(cfg.trainer.metrics_port)
-        self.metrics = MetricsSink(
-            service="trainer", jsonl_path=self.run_dir / "metrics.jsonl", tensorboard_dir=self.run_dir / "tensorboard"
-        )
+        metrics_path = self.run_dir / "metrics.jsonl"
+        dropped = truncate_metrics(metrics_path, before_step=self.train_step.step)
+        if dropped:
+            logger.info("metrics.jsonl: dropped %d rows of steps >= %d (trained again from the checkpoint)",
+                        dropped, self.train_step.step)
+        self.metrics = MetricsSink(service="trainer", jsonl_path=metrics_path, tensorboard_dir=self.run_dir / "tensorboard")
         return self
 
     def stop(self) -> None:
@@ -125,8 +149,9 @@ class TrainerService:
         logger.info("done: %d steps trained", self.train_step.step)
 
     def accept(self, deliveries: list[Delivery]) -> None:
-        """Buffer valid rollouts of planned batches; drop duplicates; dead-letter what cannot be trained."""
-        horizon = self.next_batch_id + self.cfg.coordinator.max_inflight_batches + 1
+        """Buffer valid rollouts of planned batches (one per slot); drop duplicates; dead-letter what cannot
+        be trained. Every entry is acked once a checkpoint covers it, duplicates included."""
+        horizon = max(self.next_batch_id + self.cfg.coordinator.max_inflight_batches + 1, self.planned_batches)
         rejects: dict[str, list[Delivery]] = defaultdict(list)
         for delivery in deliveries:
             rollout: Rollout = delivery.message  # type: ignore[assignment]
@@ -134,16 +159,22 @@ class TrainerService:
             if problem is not None:
                 rejects[problem].append(delivery)
                 continue
-            if rollout.batch_id < self.next_batch_id:  # already trained (and checkpointed): redelivery
+            if rollout.batch_id < self.next_batch_id:  # already trained: a redelivery (or a re-read entry)
                 self.duplicates_dropped += 1
-                self.consumer.ack([delivery.entry_id])
+                self.unacked_entry_ids.append(delivery.entry_id)  # acking now could drop an uncheckpointed original
                 continue
             buffer = self.buffers[rollout.batch_id]
+            slot = (rollout.group_id, rollout.sample_index)
+            held = buffer.rollouts.get(slot)
+            if held is not None and held.rollout_id != rollout.rollout_id:
+                rejects[f"slot (batch {rollout.batch_id}, group {rollout.group_id}, sample {rollout.sample_index}) "
+                        f"already holds rollout {held.rollout_id!r}"].append(delivery)
+                continue
             buffer.entry_ids.append(delivery.entry_id)
-            if rollout.rollout_id in buffer.rollouts:
+            if held is not None:
                 self.duplicates_dropped += 1
                 continue
-            buffer.rollouts[rollout.rollout_id] = rollout
+            buffer.rollouts[slot] = rollout
         for reason, items in rejects.items():
             self.rejected_rollouts += len(items)
             logger.warning("dead-lettering %d rollouts: %s", len(items), reason)
@@ -151,21 +182,33 @@ class TrainerService:
 
     def rollout_problem(self, rollout: Rollout, *, horizon: int) -> str | None:
         """Why a decoded rollout cannot be trained, or None."""
-        if rollout.batch_id >= horizon:
-            return f"batch_id {rollout.batch_id} is not planned (next batch {self.next_batch_id}, horizon {horizon})"
+        if rollout.batch_id >= horizon and rollout.batch_id >= self.planned_batches:
+            self.refresh_status(throttle=True)  # planned since we last asked?
+        if rollout.batch_id >= horizon and rollout.batch_id >= self.planned_batches:
+            return (f"batch_id {rollout.batch_id} is not planned (next batch {self.next_batch_id}, "
+                    f"{self.planned_batches} planned)")
         if rollout.group_id >= self.batch_size:
             return f"group_id {rollout.group_id} >= batch_size {self.batch_size}"
         if rollout.sample_index >= self.group_size:
             return f"sample_index {rollout.sample_index} >= group_size {self.group_size}"
-        if rollout.weight_version > self.train_step.weight_version:
-            return f"weight_version {rollout.weight_version} is newer than the published {self.train_step.weight_version}"
-        if not self.train_step.snapshots.is_kept(rollout.weight_version) and rollout.batch_id >= self.next_batch_id:
-            return f"weight_version {rollout.weight_version} is no longer kept by the trainer"
+        expected_id = slot_rollout_id(task_id_of(rollout.batch_id, rollout.group_id), rollout.sample_index)
+        if rollout.rollout_id != expected_id:
+            return f"rollout_id {rollout.rollout_id!r} does not name its plan slot (expected {expected_id!r})"
+        version = rollout.weight_version
+        if version > self.train_step.weight_version:
+            if version > self.published_version:
+                self.refresh_status(throttle=True)
+            if version > self.published_version:
+                return f"weight_version {version} was never published (latest published: {self.published_version})"
+            # Published before this trainer restarted from an older checkpoint: replaying the steps after the
+            # checkpoint re-creates it before any batch that holds this rollout is trained.
+        elif not self.train_step.snapshots.is_kept(version) and rollout.batch_id >= self.next_batch_id:
+            return f"weight_version {version} is no longer kept by the trainer"
         return None
 
     def train_batch(self, batch_id: int) -> None:
         buffer = self.buffers.pop(batch_id)
-        rollouts = sorted(buffer.rollouts.values(), key=lambda r: (r.group_id, r.sample_index))
+        rollouts = [buffer.rollouts[slot] for slot in sorted(buffer.rollouts)]
         self.rpc("MarkBatchComplete", pb.MarkBatchCompleteRequest(batch_id=batch_id, num_rollouts=len(rollouts)))
         result = self.train_step.train_on(rollouts)
         if result.skipped:
@@ -200,10 +243,14 @@ class TrainerService:
         )
 
     def publish(self, weight_version: int, *, step: int, reason: str) -> int:
-        published = publish_version(
-            self.train_step.model, publish_dir=self.cfg.publish_dir, weight_version=weight_version,
-            step=step, source_dir=self.model_dir,
-        )
+        folder = version_folder(self.cfg.publish_dir, weight_version)
+        if folder.exists():
+            published = self.reuse_published(folder, weight_version=weight_version, step=step)
+        else:
+            published = publish_version(
+                self.train_step.model, publish_dir=self.cfg.publish_dir, weight_version=weight_version,
+                step=step, source_dir=self.model_dir,
+            )
         self.train_step.mark_published(weight_version)
         self.rpc(
             "AnnouncePublished",
@@ -212,7 +259,28 @@ class TrainerService:
                 step=step, reason=reason,
             ),
         )
+        self.published_version = max(self.published_version, weight_version)
         return weight_version
+
+    @staticmethod
+    def reuse_published(folder: Path, *, weight_version: int, step: int) -> PublishedVersion:
+        """A version this run published at `step` before a restart (the crash came before the checkpoint).
+
+        The step is trained again deterministically from the checkpoint, so the folder holds these weights:
+        it is verified against its manifest and announced again, not rewritten. A folder written at
+        another step belongs to another run (or the run's state diverged): WeightsError.
+        """
+        manifest = verify_version_folder(folder)
+        if manifest["step"] != step:
+            raise WeightsError(
+                f"{folder}: weight version {weight_version} was published at step {manifest['step']}, but this "
+                f"trainer publishes it at step {step}; the publish folder holds another run's versions "
+                "(use a new run_dir) or the run's state diverged"
+            )
+        logger.info("weight version %d was already published at step %d (before a restart): reusing %s",
+                    weight_version, step, folder)
+        return PublishedVersion(weight_version=weight_version, step=step, path=str(folder),
+                                sha256=manifest_sha256(folder))
 
     def checkpoint(self) -> None:
         """Checkpoint, then ack every rollout entry the checkpoint covers."""
@@ -232,7 +300,7 @@ class TrainerService:
         Once every live sampler serves a version newer than v, only batches planned so far can hold
         rollouts of v (later batches' tasks do not exist yet); v is released when all of those are trained.
         """
-        status = self.rpc("GetStatus", pb.GetStatusRequest())
+        status = self.refresh_status()
         serving = [s.weight_version for s in status.samplers if s.health != pb.SAMPLER_LOST]
         floor = min(serving, default=self.train_step.weight_version)
         last_planned = status.batches.total - 1
@@ -252,6 +320,18 @@ class TrainerService:
         if released:
             logger.info("released weight snapshots %s", released)
 
+    def refresh_status(self, *, throttle: bool = False) -> Any:
+        """The coordinator's status; updates the published version and planned batches the rollout checks
+        use. With `throttle`, at most one RPC a second (None when skipped): a flood of bad rollouts must not
+        become a flood of RPCs."""
+        if throttle and time.monotonic() < self._next_status_check_s:
+            return None
+        self._next_status_check_s = time.monotonic() + 1.0
+        status = self.rpc("GetStatus", pb.GetStatusRequest())
+        self.published_version = max(self.published_version, status.published_version)
+        self.planned_batches = max(self.planned_batches, status.batches.total)
+        return status
+
     def write_state(self) -> None:
         state = {
             "steps": self.train_step.step,
@@ -270,3 +350,26 @@ class TrainerService:
     def rpc(self, method: str, request: Any) -> Any:
         fn = getattr(self.stub, method)
         return call_with_retry(lambda: fn(request, metadata=self.metadata, timeout=30), what=method)
+
+
+def truncate_metrics(path: Path, *, before_step: int) -> int:
+    """Keep only the rows of steps < `before_step` in a metrics.jsonl (and drop a torn last line); returns
+    how many rows went. A trainer resumed from the checkpoint of step k trains steps k, k+1, ... again and
+    logs them again: without this, a step trained before the crash would have two rows."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < before_step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
