@@ -1,0 +1,333 @@
+"""Experiment presets and the plan of runs.
+
+A preset fixes everything that makes runs comparable: the model and task, the batch (B prompt groups x G
+samples), the number of steps, the trainer's optimizer settings, the sampling settings, the seeds. The
+plan is a list of `RunSpec`s: first the on-policy reference runs, then every method in every setting.
+
+Settings (DESIGN section 6, issue 7):
+
+- `stale`: the fp32 sampler is synced only when the method asks (`dlc`: after a step whose `ess_lag` is
+  below the threshold; every other method: never within the run). Batch t is sampled from the sampler's
+  current version, so the lag grows with the steps since the last sync.
+- `lowprec`: the sampler runs `lowprec_dtype` (bfloat16) while the trainer runs float32; synced every step.
+- `noisy`: Gaussian noise of relative size `noise_sigma` is added to the published sampler weights at every
+  sync (a controlled numerical discrepancy; the same draw per run, so it is systematic like a quantization
+  error); fp32 sampler, synced every step.
+- `every_k`: fp32 sampler synced every `every_k` steps, for every method.
+
+On-policy reference runs (`method = "onpolicy"`): the `naive` loss with an fp32 sampler synced every step;
+they differ only in their sampling seed (`onpolicy_seeds`, disjoint from the method runs' `seeds`, so a
+method run never shares its random numbers with the runs it is compared to).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlcommon.config import (
+    ConfigError,
+    Method,
+    ModelConfig,
+    SamplerConfig,
+    SamplingConfig,
+    StrictModel,
+    TaskConfig,
+    TrainerConfig,
+    build_config,
+    parse_overrides,
+)
+
+__all__ = [
+    "ONPOLICY",
+    "PRESETS",
+    "SETTINGS",
+    "ExperimentPreset",
+    "RunSpec",
+    "load_preset",
+    "plan_runs",
+]
+
+ONPOLICY = "onpolicy"
+"""Method name of the on-policy reference runs (the `naive` loss, fp32 sampler synced every step)."""
+ONPOLICY_LOSS: Method = "naive"
+"""The loss the on-policy runs train with (every correction reduces to it on exactly on-policy data)."""
+SETTINGS = ("stale", "lowprec", "noisy", "every_k")
+Setting = Literal["stale", "lowprec", "noisy", "every_k"]
+SyncRule = Literal["always", "never", "ess", "every_k"]
+
+
+class ExperimentPreset(StrictModel):
+    """Everything one `python -m experiments.dlc_repro --preset NAME` run uses."""
+
+    name: str
+    """Preset name; results go to docs/results/<name>/ by default."""
+    description: str = ""
+    """One line shown in the results README."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    """The reference (float32) engine's settings; `lowprec` runs a second engine at `lowprec_dtype`."""
+    lowprec_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """Sampler precision of the `lowprec` setting."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Trainer settings shared by every run (`method` is set per run)."""
+    batch_size: int = Field(8, ge=1)
+    """B: prompt groups per batch."""
+    group_size: int = Field(4, ge=2)
+    """G: samples per prompt."""
+    steps: int = Field(16, ge=1)
+    """Trainer steps per run."""
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    """Sampling seeds of the method runs (the same seeds in every method and setting)."""
+    onpolicy_seeds: list[int] = Field(default_factory=lambda: [100, 101, 102], min_length=2)
+    """Sampling seeds of the on-policy reference runs (the noise threshold averages over their pairs)."""
+    methods: list[Method] = Field(default_factory=lambda: ["naive", "tis", "center", "ppo", "dlc", "dual"])
+    """Corrections compared (DESIGN section 4)."""
+    settings: list[Setting] = Field(default_factory=lambda: ["stale", "lowprec", "noisy"])
+    """Settings run for every method."""
+    dlc_thresholds: list[float] = Field(default_factory=lambda: [0.5, 0.7, 0.9], min_length=1)
+    """ESS thresholds of `dlc` in the `stale` setting (the sweep: KL to on-policy vs number of syncs)."""
+    every_k: int = Field(4, ge=1)
+    """Sync interval of the `every_k` setting."""
+    noise_sigma: float = Field(0.05, ge=0)
+    """`noisy`: noise std relative to each weight tensor's RMS (one draw per run, re-applied at every sync)."""
+    eval_prompts: int = Field(64, ge=1)
+    """Prompts of the fixed evaluation set (TaskSource.eval_set()) whose prefixes measure the KL."""
+    eval_samples: int = Field(2, ge=1)
+    """Responses sampled per evaluation prompt from each on-policy run at each step (the KL prefixes)."""
+    kl_support_topk: int | None = Field(None, ge=1)
+    """None: exact full-vocabulary KL. K: KL over the reference's top-K ids plus one bucket for the rest of
+    the vocabulary (a lower bound of the full KL; for large vocabularies, to keep the references small)."""
+    reward_eval_samples: int = Field(4, ge=1)
+    """Samples per evaluation prompt for `final_reward` (the final weights served by the run's engine)."""
+    cpu_kv_cache_gib: int | None = Field(None, ge=1)
+    """vLLM CPU engine only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE). Without it the CPU engine takes
+    sampler.gpu_memory_utilization of the machine's RAM (0.3 = 7 GB here, OOM-killed on a shared machine)."""
+    torch_threads: int | None = Field(1, ge=1)
+    """torch intra-op threads of the trainer (1 on small CPUs; None leaves torch's default)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ExperimentPreset:
+        shared = sorted(set(self.seeds) & set(self.onpolicy_seeds))
+        if shared:
+            raise ValueError(
+                f"seeds and onpolicy_seeds share {shared}: a method run must not reuse the sampling seed of "
+                f"an on-policy run it is compared to"
+            )
+        for name in ("seeds", "onpolicy_seeds", "methods", "settings", "dlc_thresholds"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} has duplicates: {values}")
+        if any(not 0 < t <= 1 for t in self.dlc_thresholds):
+            raise ValueError(f"dlc_thresholds must be in (0, 1], got {self.dlc_thresholds}")
+        if self.eval_prompts > self.task.eval_size:
+            raise ValueError(
+                f"eval_prompts ({self.eval_prompts}) exceeds task.eval_size ({self.task.eval_size}); raise task.eval_size"
+            )
+        if self.sampler.dtype != "float32":
+            raise ValueError(
+                "sampler.dtype must be float32: it is the reference engine; lowprec_dtype sets the low-precision one"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the plan."""
+
+    method: str
+    """A correction method, or ONPOLICY."""
+    setting: str
+    """One of SETTINGS, or "reference" for the on-policy runs."""
+    seed: int
+    """Sampling seed (request seeds derive from it and the batch/group ids)."""
+    sync_rule: SyncRule
+    """When the sampler receives the trainer's weights: every step, never, ess_lag < threshold, every k."""
+    sampler_dtype: str
+    """Engine precision of this run."""
+    ess_threshold: float | None = None
+    """Threshold of sync_rule "ess"."""
+    sync_every: int | None = None
+    """Interval of sync_rule "every_k"."""
+    noise_sigma: float = 0.0
+    """Relative weight noise added to every published sampler version (0 = clean)."""
+
+    @property
+    def loss(self) -> str:
+        """The trainer method used (`naive` for the on-policy runs)."""
+        return ONPOLICY_LOSS if self.method == ONPOLICY else self.method
+
+    @property
+    def name(self) -> str:
+        threshold = f"-t{self.ess_threshold:g}" if self.sync_rule == "ess" else ""
+        return f"{self.setting}-{self.method}{threshold}-s{self.seed}"
+
+    @property
+    def sync_label(self) -> str:
+        """Human-readable sync rule."""
+        if self.sync_rule == "ess":
+            return f"ess_lag<{self.ess_threshold:g}"
+        if self.sync_rule == "every_k":
+            return f"every {self.sync_every}"
+        return {"always": "every step", "never": "never"}[self.sync_rule]
+
+
+def _method_run(
+    preset: ExperimentPreset, *, method: str, setting: str, seed: int, threshold: float
+) -> RunSpec:
+    if setting == "stale":
+        if method == "dlc":
+            return RunSpec(method, setting, seed, "ess", preset.sampler.dtype, ess_threshold=threshold)
+        return RunSpec(method, setting, seed, "never", preset.sampler.dtype)
+    if setting == "lowprec":
+        return RunSpec(method, setting, seed, "always", preset.lowprec_dtype)
+    if setting == "noisy":
+        return RunSpec(method, setting, seed, "always", preset.sampler.dtype, noise_sigma=preset.noise_sigma)
+    if setting == "every_k":
+        return RunSpec(method, setting, seed, "every_k", preset.sampler.dtype, sync_every=preset.every_k)
+    raise ValueError(f"unknown setting {setting!r}; expected one of {', '.join(SETTINGS)}")
+
+
+def plan_runs(preset: ExperimentPreset) -> list[RunSpec]:
+    """On-policy references first, then the method runs, grouped so each engine precision is started once.
+
+    `dlc` in `stale` runs once per threshold of `dlc_thresholds`; in the other settings it syncs like every
+    other method (the ESS rule cannot fire more often than every step).
+    """
+    runs = [
+        RunSpec(ONPOLICY, "reference", seed, "always", preset.sampler.dtype) for seed in preset.onpolicy_seeds
+    ]
+    method_runs = []
+    for setting in preset.settings:
+        for method in preset.methods:
+            thresholds = (
+                preset.dlc_thresholds
+                if (setting == "stale" and method == "dlc")
+                else [preset.dlc_thresholds[0]]
+            )
+            for threshold in thresholds:
+                for seed in preset.seeds:
+                    method_runs.append(
+                        _method_run(preset, method=method, setting=setting, seed=seed, threshold=threshold)
+                    )
+    # Reference-precision engine first (it serves the on-policy runs too), then the low-precision one.
+    method_runs.sort(key=lambda spec: spec.sampler_dtype != preset.sampler.dtype)
+    return runs + method_runs
+
+
+# ------------------------------------------------------------------------------------------------- presets
+
+_TINY = dict(
+    name="tiny",
+    description="0.3M-parameter Qwen3-architecture model, single-digit addition, vLLM CPU engine (2 cores)",
+    model=dict(name_or_path="tiny"),
+    task=dict(kind="arithmetic", difficulty=1, eval_size=64),
+    sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8, logprobs_topk=20),
+    sampler=dict(dtype="float32", gpu_memory_utilization=0.3, max_model_len=64),
+    cpu_kv_cache_gib=1,
+    trainer=dict(lr=1e-3, grad_clip=1.0, device="cpu", dtype="float32", correction=dict(dual_lr=50.0)),
+    batch_size=32,
+    group_size=8,
+    steps=24,
+    seeds=[0, 1, 2],
+    onpolicy_seeds=[100, 101, 102, 103],
+    methods=["naive", "tis", "center", "ppo", "dlc", "dual"],
+    settings=["stale", "lowprec", "noisy", "every_k"],
+    dlc_thresholds=[0.5, 0.7, 0.9],
+    every_k=4,
+    noise_sigma=0.05,
+    eval_prompts=64,
+    eval_samples=2,
+    kl_support_topk=None,
+    torch_threads=1,
+)
+
+_MICRO = dict(
+    _TINY,
+    name="micro",
+    description="smoke test of the driver: 2 steps, 2 on-policy runs, 2 methods, stale only",
+    batch_size=2,
+    group_size=2,
+    steps=2,
+    seeds=[0],
+    onpolicy_seeds=[100, 101],
+    methods=["naive", "dlc"],
+    settings=["stale"],
+    dlc_thresholds=[0.5],
+    eval_prompts=4,
+    eval_samples=1,
+    reward_eval_samples=1,
+)
+
+
+QWEN_TASK_PATH = "data/gsm8k_train.jsonl"
+"""GSM8K-style {"question", "answer"} lines (e.g. openai/gsm8k's train split as JSONL; "#### 42" answers work
+as they are); the reward is the last number of the response. Override with `task.path=...`."""
+
+
+def _qwen3(name: str, hub_name: str, *, lr: float, gpu_memory_utilization: float) -> dict[str, Any]:
+    """A Qwen3 preset for one GPU node. Not run here (no GPU, no hub access); `--validate` checks it.
+
+    About 80 runs x 40 steps; budget a few GPU-hours. lowprec is vLLM bfloat16 against the float32 trainer;
+    the KL is measured over the reference's top-256 ids plus a rest bucket (a lower bound of the full KL).
+    """
+    return dict(
+        name=name,
+        description=f"{hub_name} from the hub on one GPU: vLLM CUDA engine + torch trainer, GSM8K-style task",
+        model=dict(name_or_path=hub_name),
+        task=dict(kind="jsonl", path=QWEN_TASK_PATH, eval_size=64),
+        sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=256, logprobs_topk=20),
+        sampler=dict(dtype="float32", gpu_memory_utilization=gpu_memory_utilization, max_model_len=768),
+        trainer=dict(lr=lr, grad_clip=1.0, device="cuda", dtype="float32", correction=dict(dual_lr=50.0)),
+        batch_size=16,
+        group_size=8,
+        steps=40,
+        seeds=[0, 1, 2],
+        onpolicy_seeds=[100, 101, 102],
+        methods=["naive", "tis", "center", "ppo", "dlc", "dual"],
+        settings=["stale", "lowprec", "noisy", "every_k"],
+        dlc_thresholds=[0.5, 0.7, 0.9],
+        every_k=8,
+        noise_sigma=0.01,
+        eval_prompts=32,
+        eval_samples=1,
+        kl_support_topk=256,
+        reward_eval_samples=2,
+        cpu_kv_cache_gib=None,
+        torch_threads=None,
+    )
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": _TINY,
+    "micro": _MICRO,
+    "qwen3-0.6b": _qwen3("qwen3-0.6b", "Qwen/Qwen3-0.6B", lr=1e-6, gpu_memory_utilization=0.25),
+    "qwen3-1.7b": _qwen3("qwen3-1.7b", "Qwen/Qwen3-1.7B", lr=1e-6, gpu_memory_utilization=0.2),
+}
+"""Preset name -> the fields of its ExperimentPreset (validated by `load_preset`)."""
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = (
+            _deep_merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
+    return out
+
+
+def load_preset(name: str, overrides: list[str] | dict[str, Any] | None = None) -> ExperimentPreset:
+    """The validated preset `name`, with dotted overrides (`trainer.lr=5e-4`, `steps=8`, `seeds=[0,1]`).
+
+    Raises ConfigError naming an unknown preset or a bad key/value.
+    """
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
+    extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
+    return build_config(ExperimentPreset, _deep_merge(PRESETS[name], extra))
