@@ -486,13 +486,10 @@ class Coordinator:
         _non_negative("weight_version", weight_version)
         record = self._planned_batch(batch_id)
         clean_stats = self._check_stats(stats)
-        last = self._last_step
-        if last is not None and last.step == step and last.batch_id == batch_id:
-            # A retry of the last report (its answer was lost): the same answer, nothing consumed twice.
-            decision = SyncDecision(last.publish, last.reason)
-            return StepAnswer(
-                decision, self.published_version + 1, self.ledger.counts(self.ccfg.total_batches)
-            )
+        if record.status == "trained" and record.trained_step == step:
+            # A retry of a report whose answer was lost, or a trainer that resumed from a checkpoint older
+            # than this step and trains it again: the answer it got the first time, nothing recorded twice.
+            return self._replayed_answer(step)
         if record.status != "trained" and batch_id != self.ledger.trained_through + 1:
             raise FailedPrecondition(
                 "batch_id",
@@ -531,6 +528,20 @@ class Coordinator:
         self._plan_ahead()
         return StepAnswer(decision, self.published_version + 1, self.ledger.counts(self.ccfg.total_batches))
 
+    def _replayed_answer(self, step: int) -> StepAnswer:
+        """The answer to a report of an already trained step: publish the version published at that step
+        (announced: the same version number; decided but not announced yet: the next one), else no publish."""
+        counts = self.ledger.counts(self.ccfg.total_batches)
+        announced = next((s for s in self.syncs.history() if s.step == step), None)
+        if announced is not None:
+            return StepAnswer(SyncDecision(True, announced.reason), announced.weight_version, counts)
+        pending = self._pending_publish
+        if pending is not None and pending["step"] == step:
+            return StepAnswer(SyncDecision(True, pending["reason"]), self.published_version + 1, counts)
+        last = self._last_step
+        reason = last.reason if last is not None and last.step == step else f"step {step} was reported before"
+        return StepAnswer(SyncDecision(False, reason), self.published_version + 1, counts)
+
     @staticmethod
     def _check_stats(stats: Mapping[str, float]) -> dict[str, float]:
         out = {}
@@ -558,11 +569,11 @@ class Coordinator:
         if not SHA256_PATTERN.match(sha256):
             raise InvalidArgument("sha256", f"must be 64 hex characters, got {sha256[:80]!r}")
         _non_negative("step", step)
+        existing = self.syncs.by_version(weight_version)
+        if existing is not None and (existing.sha256, existing.path) == (sha256, path):
+            return existing, None  # a retry, or a trainer replaying the step that published this version
         published = self._published
         if published is not None and weight_version == published.weight_version:
-            existing = self.syncs.by_version(weight_version)
-            if (published.sha256, published.path) == (sha256, path) and existing is not None:
-                return existing, None
             raise InvalidArgument(
                 "sha256",
                 f"version {weight_version} was already announced with other files "
@@ -577,10 +588,14 @@ class Coordinator:
             pending = self._pending_publish
             reason = pending["reason"] if pending else "announced by the trainer (no publish was requested)"
         now = self.clock()
+        # An unhealthy sampler (it missed an ack or failed a load) is sent the update but not waited for
+        # again until it acks the published version or registers again.
         expected = [
             sid
             for sid in self.samplers.live_ids(now)
-            if (rec := self.samplers.get(sid)) is not None and rec.weight_version < weight_version
+            if (rec := self.samplers.get(sid)) is not None
+            and rec.weight_version < weight_version
+            and not rec.unhealthy_reason
         ]
         sync = self.syncs.start(
             weight_version=weight_version,

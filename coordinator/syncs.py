@@ -1,10 +1,11 @@
 """Weight syncs: the record of each one, its completion, and the broadcast of weight updates to samplers.
 
-A sync starts when the trainer announces a published version. The samplers live at that moment (and
-behind that version) are expected to ack it; the sync completes when each of them has acked or been left
-out: a sampler that does not ack within `ack_timeout_s`, fails to load the version, or is lost during the
-sync is marked unhealthy (by the caller) and recorded in `unhealthy`. A sync still in progress when a newer
-version is announced is SUPERSEDED (its samplers are expected to ack the newer one instead).
+A sync starts when the trainer announces a published version. The samplers live and healthy at that moment
+(and behind that version) are expected to ack it; the sync completes when each of them has acked or been
+left out: a sampler that does not ack within `ack_timeout_s`, fails to load the version, or is lost during
+the sync is marked unhealthy (by the caller) and recorded in `unhealthy`. A sync still in progress when a
+newer version is announced is SUPERSEDED (its samplers are expected to ack the newer one instead, and their
+ack deadline keeps running from when the superseded sync started waiting for them).
 
 `SyncTracker` is plain and synchronous; `WeightBroadcaster` is the asyncio side that feeds the
 SubscribeWeightUpdates streams, keeping only the latest update (a slow sampler never gets a backlog).
@@ -64,6 +65,9 @@ class SyncRecord:
     expected: list[str] = field(default_factory=list)
     acked: list[str] = field(default_factory=list)
     unhealthy: list[str] = field(default_factory=list)
+    waiting_since: dict[str, float] = field(default_factory=dict)
+    """Expected samplers already waited for by the sync this one superseded: since when (their ack deadline
+    runs from then, so a sampler that never acks is caught even when each sync is superseded in time)."""
 
     @property
     def pending(self) -> list[str]:
@@ -125,8 +129,10 @@ class SyncTracker:
         self, *, weight_version: int, step: int, reason: str, path: str, sha256: str, expected: Iterable[str]
     ) -> SyncRecord:
         now = self.clock()
+        carried: dict[str, float] = {}
         if self._active is not None:
             old = self._active
+            carried = {sid: old.waiting_since.get(sid, old.started_at) for sid in old.pending}
             old.state, old.ended_at = SUPERSEDED, now
             self._save(old)
             logger.info(
@@ -147,6 +153,7 @@ class SyncTracker:
             started_at=now,
             expected=sorted(expected),
         )
+        record.waiting_since = {sid: since for sid, since in carried.items() if sid in record.expected}
         self._records[sync_id] = record
         self._active = record
         logger.info(
@@ -182,12 +189,17 @@ class SyncTracker:
         return record
 
     def overdue(self, now: float | None = None) -> list[str]:
-        """Pending samplers of the active sync whose ack deadline has passed."""
+        """Pending samplers of the active sync whose ack deadline has passed (counted from when a superseded
+        sync started waiting for them, else from this sync's start)."""
         record = self._active
         now = self.clock() if now is None else now
-        if record is None or now - record.started_at <= self.ack_timeout_s:
+        if record is None:
             return []
-        return record.pending
+        return [
+            sid
+            for sid in record.pending
+            if now - record.waiting_since.get(sid, record.started_at) > self.ack_timeout_s
+        ]
 
     def _finish_if_done(self, record: SyncRecord) -> None:
         if record.state == IN_PROGRESS and not record.pending:

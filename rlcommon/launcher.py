@@ -305,7 +305,9 @@ class LocalStack:
         self.address = f"127.0.0.1:{self.port}"
         self.specs: dict[str, ServiceSpec] = {}
 
-    def start(self) -> LocalStack:
+    def start(self, *, hold: tuple[str, ...] = ()) -> LocalStack:
+        """Start redis-server (if embedded), the coordinator (waiting until it serves), then every other
+        service except those in `hold` (a test starts them later with `start_service`)."""
         from rlcommon.embedded_redis import EmbeddedRedis
         from rlcommon.tiny_model import resolve_model
 
@@ -323,7 +325,7 @@ class LocalStack:
         self.start_service("coordinator")
         wait_for_coordinator(self.address, timeout_s=120, watch=list(self.processes.values()))
         for name in self.specs:
-            if name != "coordinator":
+            if name != "coordinator" and name not in hold:
                 self.start_service(name)
         return self
 

@@ -107,6 +107,7 @@ class TrainerService:
             self.next_batch_id = int(state.get("next_batch_id", self.train_step.step))
             self.duplicates_dropped = int(state.get("duplicates_dropped", 0))
             self.skipped_batches = int(state.get("skipped_batches", 0))
+            self.rejected_rollouts = int(state.get("rejected_rollouts", 0))
             logger.info("resumed from %s: step %d, weight version %d, next batch %d",
                         checkpoint, self.train_step.step, self.train_step.weight_version, self.next_batch_id)
 
@@ -287,7 +288,7 @@ class TrainerService:
         save_checkpoint(
             self.checkpoint_dir, train_step=self.train_step, keep=self.cfg.trainer.keep_checkpoints,
             extra_state={"next_batch_id": self.next_batch_id, "duplicates_dropped": self.duplicates_dropped,
-                         "skipped_batches": self.skipped_batches},
+                         "skipped_batches": self.skipped_batches, "rejected_rollouts": self.rejected_rollouts},
         )
         if self.unacked_entry_ids:
             self.consumer.ack(self.unacked_entry_ids)

@@ -270,7 +270,13 @@ def test_reannounce_is_idempotent_and_a_newer_version_supersedes(server):
     history = {s.sync_id: s for s in stub.ListSyncs(pb.ListSyncsRequest()).syncs}
     assert history[first.sync_id].state == pb.SYNC_SUPERSEDED
     assert history[second.sync_id].state == pb.SYNC_IN_PROGRESS
-    err = rpc_error(announce, stub, 1)
+    # The same files again (a trainer replaying the step that published it): the recorded sync, no new one.
+    assert announce(stub, 1).sync.sync_id == first.sync_id
+    assert stub.ListSyncs(pb.ListSyncsRequest()).total == 2
+    err = rpc_error(
+        stub.AnnouncePublished,
+        pb.AnnouncePublishedRequest(weight_version=1, path="/w/other", sha256="cd" * 32, step=1),
+    )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("weight_version: ")
 
 
