@@ -94,6 +94,7 @@ def test_policy_logprobs_align_with_the_model_and_kl_to_itself_is_zero():
     torch.testing.assert_close(full[0, :2], expected[0, 2:4], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(full[1, :3], expected[1, 0:3], atol=1e-5, rtol=1e-5)
     assert batch.position_mask.tolist() == [[True, True, False], [True, True, True]]
+    torch.testing.assert_close(policy_logprobs(model, batch, temperature=0.7, chunk_rows=1), full)
     for support in (None, 5):
         ref = reference_point(model, batch, temperature=0.7, support_topk=support)
         assert kl_to_reference(ref, model, temperature=0.7) == pytest.approx(0.0, abs=1e-6)
