@@ -267,6 +267,23 @@ class RunConfig(StrictModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
 
+    @model_validator(mode="after")
+    def _queue_fits_what_the_trainer_holds(self) -> RunConfig:
+        """The trainer acks rollouts only once a checkpoint covers them, and rollouts of the batches planned
+        ahead wait in the queue too: a queue limit below what it may hold while waiting for the rest of its
+        current batch would stop the samplers for good."""
+        c = self.coordinator
+        held = (self.trainer.checkpoint_every - 1 + c.max_inflight_batches) * c.batch_size * c.group_size
+        if self.bus.max_queue_depth < held:
+            raise ValueError(
+                f"bus.max_queue_depth = {self.bus.max_queue_depth} is below the {held} rollouts the trainer may "
+                f"hold unacked ((trainer.checkpoint_every - 1 + coordinator.max_inflight_batches) x batch_size "
+                f"x group_size = ({self.trainer.checkpoint_every} - 1 + {c.max_inflight_batches}) x "
+                f"{c.batch_size} x {c.group_size}): the samplers would wait for room forever; raise "
+                f"bus.max_queue_depth or lower trainer.checkpoint_every"
+            )
+        return self
+
     @property
     def publish_dir(self) -> Path:
         """Where the trainer publishes weight versions (shared storage between trainer and samplers)."""

@@ -64,6 +64,15 @@ def test_cross_field_checks():
         load_config(RunConfig, [], ["--task.kind", "jsonl"])
 
 
+def test_queue_limit_below_what_the_trainer_holds_is_refused_at_start_up():
+    sizes = ["--coordinator.batch_size=8", "--coordinator.group_size=4", "--coordinator.max_inflight_batches=2"]
+    # (checkpoint_every - 1 + max_inflight_batches) x B x G = (4 - 1 + 2) x 8 x 4 = 160 rollouts held unacked
+    with pytest.raises(ConfigError, match=r"bus.max_queue_depth = 159 is below the 160 rollouts"):
+        load_config(RunConfig, [], [*sizes, "--trainer.checkpoint_every=4", "--bus.max_queue_depth=159"])
+    cfg = load_config(RunConfig, [], [*sizes, "--trainer.checkpoint_every=4", "--bus.max_queue_depth=160"])
+    assert cfg.bus.max_queue_depth == 160
+
+
 def test_missing_file_and_bad_toml(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(RunConfig, [tmp_path / "nope.toml"])
