@@ -287,6 +287,8 @@ def _versions() -> dict[str, str]:
 def _readme(
     preset: ExperimentPreset, info: dict[str, Any], table: str, claims: str, plots: list[Path], out_dir: Path
 ) -> str:
+    engines = ", ".join(f"{dtype} {seconds:g} s" for dtype, seconds in info.get("engine_start_s", {}).items())
+    versions = ", ".join(f"{name} {version}" for name, version in info.get("versions", {}).items())
     figures = "\n".join(f"- `{p.name}`\n\n  ![{p.stem}]({p.name})" for p in plots)
     findings = (
         "\n\nFindings, with the figures: [FINDINGS.md](FINDINGS.md).\n"
@@ -297,16 +299,16 @@ def _readme(
 
 {preset.description}
 
-Made by (from the repository root):
+Made by (from the repository root; `make experiment ARGS="..."` runs the same module):
 
 ```bash
 {info["command"]}
 ```
 
-Wall time {info["wall_s"]:.0f} s on {info["machine"]}; {info["runs"]} runs of {preset.steps} steps
-(B = {preset.batch_size} prompt groups x G = {preset.group_size} samples, lr {preset.trainer.lr:g}, max
-{preset.sampling.max_tokens} response tokens); vLLM engine starts {info["engine_start_s"]} s.
-Versions: {info["versions"]}.{findings}
+{info["runs"]} runs of {preset.steps} steps (B = {preset.batch_size} prompt groups x G = {preset.group_size}
+samples, lr {preset.trainer.lr:g}, at most {preset.sampling.max_tokens} response tokens). Wall time
+{info.get("wall_s", 0):.0f} s ({info.get("machine", "machine unknown")}); vLLM engine starts: {engines}.
+Versions: {versions}.{findings}
 
 ## Summary (mean ± std over seeds; step columns list each seed, – = never)
 
@@ -319,7 +321,7 @@ Versions: {info["versions"]}.{findings}
   ratio uses the pairs that include it (about 1 by construction).
 - **ESS<0.5 step**: first step whose batch has `ess_lag` < 0.5. **Gaussian pred. step**: the step a log-normal
   lag ratio with the measured variance of delta_lag predicts (ESS = exp(-var), var(k) = a k^p fitted on the
-  first stale segment; experiments/ess.py has the exact procedure).
+  first stale segment, p in [1, 2]; experiments/ess.py has the exact procedure).
 - **final reward**: mean reward on the evaluation prompts ({preset.reward_eval_samples} samples each) of the
   final trainer weights served by the run's engine (bf16 in `lowprec`, without noise in `noisy`).
 - Settings: `stale` = sampler synced only when the method asks (dlc: ess_lag < threshold; others never);
