@@ -61,6 +61,7 @@ class LoadSettings:
     duplicate_every: int
     consume_per_s: float | None
     drain_s: float
+    appendfsync: str = "everysec"
 
 
 def _rss_mb() -> float:
@@ -207,7 +208,9 @@ def _halves(samples: list[tuple[float, float]], duration_s: float) -> tuple[floa
 
 def run(settings: LoadSettings) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="dlc-load-") as tmp, EmbeddedRedis(tmp) as server:
+    with tempfile.TemporaryDirectory(prefix="dlc-load-") as tmp, EmbeddedRedis(
+        tmp, appendfsync=settings.appendfsync
+    ) as server:
         conn = RedisConnection(server.url)
         client = conn.client
         version = client.info("server")["redis_version"]
@@ -269,6 +272,7 @@ def run(settings: LoadSettings) -> dict[str, Any]:
         "max_stream_len": settings.max_stream_len,
         "consume_per_s": settings.consume_per_s,
         "redis_version": version,
+        "appendfsync": settings.appendfsync,
         "produced": produced,
         "consumed": consumer["consumed"],
         "lost": produced - consumer["consumed"],
@@ -293,7 +297,8 @@ def run(settings: LoadSettings) -> dict[str, Any]:
 def _table(result: dict[str, Any]) -> str:
     return "\n".join([
         f"load: {result['samplers']} samplers x {result['duration_s']:g} s, {result['bytes_per_rollout']} B/rollout "
-        f"({result['response_tokens']} tokens, top-{result['topk']}), redis {result['redis_version']}",
+        f"({result['response_tokens']} tokens, top-{result['topk']}), redis {result['redis_version']} "
+        f"(appendfsync {result['appendfsync']})",
         f"sustained          {result['rollouts_per_s']} rollouts/s ({result['mb_per_s']} MB/s); "
         f"produced {result['produced']}, consumed {result['consumed']}, lost {result['lost']}",
         f"latency (ms)       send->consume p50 {result['latency_ms']['p50']} p99 {result['latency_ms']['p99']}; "
@@ -325,12 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--consume-per-s", type=float, default=None,
                         help="cap the consumer's rate (a trainer slower than the samplers); default: as fast as it can")
     parser.add_argument("--drain", type=float, default=10.0, help="seconds allowed to drain the queue at the end")
+    parser.add_argument("--appendfsync", choices=("always", "everysec", "no"), default="everysec",
+                        help="redis.appendfsync of the server (always: no acknowledged write lost on a crash)")
     args = parser.parse_args(argv)
     settings = LoadSettings(
         num_samplers=args.samplers, duration_s=args.duration, batch_size=args.batch_size, group_size=args.group_size,
         prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens, topk=args.topk,
         max_queue_depth=args.max_queue_depth, max_stream_len=args.max_stream_len,
         duplicate_every=args.duplicate_every, consume_per_s=args.consume_per_s, drain_s=args.drain,
+        appendfsync=args.appendfsync,
     )
     result = run(settings)
     print(json.dumps(result) if args.json else _table(result))

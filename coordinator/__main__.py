@@ -59,7 +59,7 @@ async def serve(cfg: RunConfig) -> int:
             from rlcommon.embedded_redis import EmbeddedRedis
 
             data_dir = Path(cfg.redis.data_dir or Path(cfg.run_dir) / "redis")
-            embedded = EmbeddedRedis(data_dir).start()
+            embedded = EmbeddedRedis(data_dir, appendfsync=cfg.redis.appendfsync).start()
             stack.callback(embedded.stop)
             url = embedded.url
             logger.info(

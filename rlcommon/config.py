@@ -55,13 +55,17 @@ class RedisConfig(StrictModel):
     """Socket connect timeout."""
     reconnect_max_s: float = Field(60.0, gt=0)
     """Give up on a lost Redis after reconnecting with backoff for this long."""
+    appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    """fsync policy of the embedded server's append-only file: `always` survives a `kill -9` of
+    redis-server (or a power cut) without losing an acknowledged write, at some write throughput;
+    `everysec` (Redis's default) may lose the last second."""
 
 
 class BusConfig(StrictModel):
     run_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     """Namespace of every stream key: `dlc:<run_id>:<stream>`."""
     claim_idle_ms: int = Field(60_000, ge=100)
-    """A pending entry idle this long is reclaimed (XAUTOCLAIM) from a consumer presumed dead."""
+    """A pending entry idle this long at another consumer is claimed (XCLAIM): that consumer is presumed dead."""
     block_ms: int = Field(1000, ge=1)
     """XREADGROUP block timeout."""
     max_stream_len: int = Field(100_000, ge=100)

@@ -100,12 +100,16 @@ class EmbeddedRedis:
         host: str = "127.0.0.1",
         executable: str | None = None,
         start_timeout_s: float = 10.0,
+        appendfsync: str = "everysec",
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.host = host
         self.executable = executable
         self.start_timeout_s = start_timeout_s
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be 'always', 'everysec' or 'no', got {appendfsync!r}")
+        self.appendfsync = appendfsync
         self.extra_args = tuple(extra_args)
         self._port = port
         self._proc: subprocess.Popen | None = None
@@ -161,6 +165,7 @@ class EmbeddedRedis:
             "--bind", self.host,
             "--dir", str(self.data_dir),
             "--appendonly", "yes",
+            "--appendfsync", self.appendfsync,
             "--save", "",
             "--daemonize", "no",
             "--logfile", str(self.log_path),

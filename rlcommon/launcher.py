@@ -317,7 +317,8 @@ class LocalStack:
         config_path = self.run_dir / "config.toml"
         config_path.write_text(dump_toml(self.cfg))
         if self.redis_url is None:
-            self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis").start()
+            self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis",
+                                              appendfsync=self.cfg.redis.appendfsync).start()
             self.redis_url = self.redis_server.url
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
                               model_dir=str(model_dir), coordinator_port=self.port)
@@ -346,12 +347,15 @@ class LocalStack:
         """Signal a service's whole process group (SIGSTOP / SIGCONT pause and resume it, engine included)."""
         os.killpg(self.processes[name].process.pid, signum)
 
-    def restart_redis(self, *, down_s: float = 0.0) -> None:
-        """Stop the embedded redis-server cleanly (it flushes its append-only file), leave it down `down_s`,
-        and start it again on the same port and folder; the services reconnect by themselves."""
+    def restart_redis(self, *, down_s: float = 0.0, kill: bool = False) -> None:
+        """Stop the embedded redis-server cleanly (it flushes its append-only file), or `kill -9` it, leave it
+        down `down_s`, and start it again on the same port and folder; the services reconnect by themselves."""
         if self.redis_server is None:
             raise RuntimeError("this stack uses redis.url: it does not own a redis-server to restart")
-        self.redis_server.stop()
+        if kill:
+            self.redis_server.kill()
+        else:
+            self.redis_server.stop()
         time.sleep(down_s)
         self.redis_server.start()
 

@@ -56,6 +56,28 @@ def test_restart_on_same_port_recovers_data(tmp_path):
     assert (tmp_path / "data" / "redis-server.log").is_file()
 
 
+def test_kill_9_with_appendfsync_always_keeps_every_acknowledged_write(tmp_path):
+    server = EmbeddedRedis(tmp_path / "data", appendfsync="always").start()
+    client = redis.Redis.from_url(server.url)
+    assert client.config_get("appendfsync") == {"appendfsync": "always"}
+    ids = [client.xadd("s", {b"d": str(i).encode()}) for i in range(500)]  # each acknowledged by its reply
+    client.xgroup_create("s", "g", id="0")
+    client.xreadgroup("g", "c", {"s": ">"}, count=200)
+    client.xack("s", "g", *ids[:100])
+    client.close()
+    server.kill()  # no flush: only what was fsynced before each reply survives
+    with server:
+        client = redis.Redis.from_url(server.url)
+        assert [entry_id for entry_id, _ in client.xrange("s")] == ids
+        assert client.xpending("s", "g")["pending"] == 100  # delivered 200, acked 100
+        client.close()
+
+
+def test_bad_appendfsync_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="appendfsync"):
+        EmbeddedRedis(tmp_path, appendfsync="sometimes")
+
+
 def test_port_taken_fails_with_log_tail(redis_server, tmp_path):
     with pytest.raises(EmbeddedRedisError) as info:
         EmbeddedRedis(tmp_path, port=redis_server.port, start_timeout_s=5).start()
