@@ -39,8 +39,10 @@ class _LogprobsForward(nn.Module):
 class VersionSnapshots:
     """Kept weight versions: version -> state_dict copy on `storage_device` (CPU copies by default)."""
 
-    def __init__(self, *, storage_device: str | torch.device = "cpu"):
+    def __init__(self, *, storage_device: str | torch.device = "cpu", chunk_tokens: int | None = None):
         self.storage_device = torch.device(storage_device)
+        self.chunk_tokens = chunk_tokens
+        """LM-head chunk of the no-grad forwards (see `response_logprobs`)."""
         self._weights: dict[int, dict[str, Tensor]] = {}
         self._published_step: dict[int, int] = {}
         self.live_version: int | None = None
@@ -115,6 +117,7 @@ class VersionSnapshots:
             num_response_tokens=batch.num_response_tokens,
             temperature=batch.temperature,
             topk_ids=batch.topk_ids.to(device) if with_topk else None,
+            chunk_tokens=self.chunk_tokens,
         )
         wrapper = _LogprobsForward(model)
         with torch.no_grad():

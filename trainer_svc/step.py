@@ -69,7 +69,7 @@ class TrainStep:
         self.step = 0
         """Planned batches consumed (trained or skipped)."""
         if snapshots is None:
-            snapshots = VersionSnapshots()
+            snapshots = VersionSnapshots(chunk_tokens=config.logits_chunk_tokens)
             snapshots.keep(0, model, step=0)  # version 0 = the initial weights
         self.snapshots = snapshots
 
@@ -108,6 +108,7 @@ class TrainStep:
             num_response_tokens=batch.num_response_tokens,
             temperature=batch.temperature,
             topk_ids=batch.topk_ids if needs_topk else None,
+            chunk_tokens=self.config.logits_chunk_tokens,
         )
         version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
         centering = None

@@ -185,3 +185,67 @@ def test_snapshot_is_a_copy_not_a_view():
     kept = snapshots.state_dict()["weights"][0]["lm_head.weight"].clone()
     _sgd_step(model)
     assert torch.equal(snapshots.state_dict()["weights"][0]["lm_head.weight"], kept)
+
+
+# ------------------------------------------------------------------------------------- chunked LM head
+
+
+def _unchunked_reference(hidden, weight, bias, ids, temperature):
+    """What autograd does on the whole [N, V] log-softmax."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature[:, None]
+    return torch.log_softmax(logits, dim=-1).gather(1, ids)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 7, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_head_matches_the_whole_log_softmax_in_value_and_gradient(chunk_tokens, with_bias):
+    from trainer_svc.logprobs import chunked_head_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    num, width, vocab, k = 10, 6, 23, 4
+    hidden = torch.randn(num, width, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, width, generator=gen, dtype=torch.float64)
+    bias = torch.randn(vocab, generator=gen, dtype=torch.float64) if with_bias else None
+    ids = torch.randint(0, vocab, (num, k), generator=gen)
+    temperature = torch.rand(num, generator=gen) + 0.5
+    upstream = torch.randn(num, k, generator=gen)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias) if t is not None]
+        b = leaves[2] if with_bias else None
+        out = fn(leaves[0], leaves[1], b, ids, temperature)
+        (out * upstream).sum().backward()
+        return out.detach(), [leaf.grad for leaf in leaves]
+
+    out, got = grads(lambda *a: chunked_head_logprobs(*a, chunk_tokens=chunk_tokens))
+    ref_out, want = grads(_unchunked_reference)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_size_does_not_change_the_trainers_logprobs_or_gradients():
+    """The whole model (tied embeddings: the LM head is the input embedding), with and without top-K."""
+    batch = build_batch(make_rollouts(weight_versions=(0,) * 6, temperature=0.7))
+    results = {}
+    for chunk in (1, 5, None):
+        model = tiny_model()
+        out = response_logprobs(
+            model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            prompt_lengths=batch.prompt_lengths, num_response_tokens=batch.num_response_tokens,
+            temperature=batch.temperature, topk_ids=batch.topk_ids, chunk_tokens=chunk,
+        )
+        (out.logp[batch.response_mask].sum() + 0.3 * out.logp_topk[batch.response_mask].sum()).backward()
+        results[chunk] = (out.logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    for chunk in (1, 5):
+        torch.testing.assert_close(results[chunk][0], results[None][0], rtol=1e-6, atol=1e-6)
+        for name, grad in results[None][1].items():
+            torch.testing.assert_close(results[chunk][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bad_chunk_size_is_refused():
+    from trainer_svc.logprobs import chunked_head_logprobs
+
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        chunked_head_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), None, torch.zeros(2, 1, dtype=torch.long),
+                              torch.ones(2), chunk_tokens=0)
