@@ -136,7 +136,11 @@ class SamplerConfig(StrictModel):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Engine precision (can differ from the trainer's to create a numerical discrepancy)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """vLLM memory fraction (on CPU: the KV cache size fraction)."""
+    """vLLM memory fraction (on CPU: the KV cache size fraction of the machine's RAM)."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """KV cache size in GiB (vLLM `kv_cache_memory_bytes`), instead of the `gpu_memory_utilization` share;
+    on CPU that share of the machine's RAM is reserved per engine (0.3 of 24 GiB = 7 GiB), so small models
+    set this."""
     max_model_len: int = Field(256, ge=8)
     """vLLM max model length."""
     max_inflight_tasks: int = Field(4, ge=1)
@@ -195,6 +199,9 @@ class TrainerConfig(StrictModel):
     """Torch device."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer precision."""
+    logits_chunk_tokens: int | None = Field(None, ge=1)
+    """Response positions per LM-head chunk (logits, log-softmax, their backward): bounds the vocabulary-sized
+    memory to [chunk, V]. None: as many as fit 64 Mi float32 logits (256 MiB)."""
     checkpoint_every: int = Field(1, ge=1)
     """Checkpoint every N steps (rollouts are acked only once a checkpoint covers them)."""
     keep_checkpoints: int = Field(2, ge=1)

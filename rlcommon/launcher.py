@@ -87,6 +87,7 @@ def service_specs(
                     "DLC_SAMPLER__SAMPLER_ID": f"sampler-{index}",
                     "DLC_SAMPLER__DTYPE": cfg.sampler.dtype,
                     "DLC_SAMPLER__GPU_MEMORY_UTILIZATION": str(cfg.sampler.gpu_memory_utilization),
+                    "DLC_SAMPLER__KV_CACHE_GIB": str(cfg.sampler.kv_cache_gib or "none"),
                     "DLC_SAMPLER__METRICS_PORT": "0",
                     # On a small CPU machine: the engine on one core, the other left to the trainer.
                     "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),

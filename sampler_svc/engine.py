@@ -174,6 +174,7 @@ class SamplerEngine:
             model=str(self.model_dir),
             dtype=sampler.dtype,
             gpu_memory_utilization=sampler.gpu_memory_utilization,
+            kv_cache_memory_bytes=None if sampler.kv_cache_gib is None else int(sampler.kv_cache_gib * 2**30),
             max_model_len=sampler.max_model_len,
             logprobs_mode="processed_logprobs",
             max_logprobs=self.sampling_cfg.logprobs_topk,

@@ -63,7 +63,7 @@ class EngineRunner:
 
 
 SAMPLER_ENGINE_CONFIG = (
-    SamplerConfig(dtype="float32", gpu_memory_utilization=0.3, max_model_len=256, seed=0),
+    SamplerConfig(dtype="float32", gpu_memory_utilization=0.3, kv_cache_gib=1.0, max_model_len=256, seed=0),
     SamplingConfig(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, logprobs_topk=20),
 )
 """The session engine's settings: float32, temperature 1, top-p 1 (the trainer-match setting)."""
