@@ -58,8 +58,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BUILD_VERSION = 3
-"""Bump when the build code changes the weights it produces (invalidates every cached folder)."""
+BUILD_VERSION = 4
+"""Bump when the build code changes the weights or files it produces (invalidates every cached folder).
+4: tokenizer_config.json carries `dlc_char_level` (special tokens never parsed from text)."""
 
 
 @dataclass(frozen=True)
