@@ -199,6 +199,9 @@ class TrainerConfig(StrictModel):
     """Torch device."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer precision."""
+    gradient_checkpointing: bool = False
+    """Recompute the decoder layers' activations in the backward (transformers gradient checkpointing):
+    activation memory of one layer instead of all, for about one more forward of compute."""
     logits_chunk_tokens: int | None = Field(None, ge=1)
     """Response positions per LM-head chunk (logits, log-softmax, their backward): bounds the vocabulary-sized
     memory to [chunk, V]. None: as many as fit 64 Mi float32 logits (256 MiB)."""

@@ -64,6 +64,8 @@ class TrainStep:
         self.model = model
         self.config = config
         self.pad_id = pad_id
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.correction_state = CorrectionState(lam=config.correction.dual_lambda_init)
         self.step = 0

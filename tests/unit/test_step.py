@@ -115,6 +115,26 @@ def test_step_is_deterministic(method):
     assert first.correction_state.lam == second.correction_state.lam
 
 
+def _layer_forwards(gradient_checkpointing: bool) -> int:
+    model = tiny_model()
+    calls = []
+    mlp = model.model.layers[0].mlp
+    forward = mlp.forward
+    mlp.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    TrainStep(model, config=TrainerConfig(method="naive", gradient_checkpointing=gradient_checkpointing)).train_on(
+        make_rollouts())
+    return len(calls)
+
+
+def test_gradient_checkpointing_changes_memory_not_the_step():
+    assert (_layer_forwards(False), _layer_forwards(True)) == (1, 2)  # the layer runs again in the backward
+    plain, plain_results = run_steps("dlc", num_steps=2)
+    checkpointed, results = run_steps("dlc", num_steps=2, gradient_checkpointing=True)
+    for (name, a), b in zip(plain.model.named_parameters(), checkpointed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert results[-1].metrics["loss"] == pytest.approx(plain_results[-1].metrics["loss"], rel=1e-5, abs=1e-7)
+
+
 def test_non_finite_batch_is_skipped_and_reported():
     model = tiny_model()
     train_step = TrainStep(model, config=TrainerConfig(method="dlc"))
