@@ -199,6 +199,10 @@ class TrainerConfig(StrictModel):
     """Torch device."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer precision."""
+    micro_batch_rows: int | None = Field(None, ge=1)
+    """Rollouts per forward/backward pass (gradient accumulation); None: the whole batch in one. The loss is
+    still the whole batch's (a no-grad pass first gives every row's log-probs), so the step is the same, for
+    about one more forward of compute."""
     gradient_checkpointing: bool = False
     """Recompute the decoder layers' activations in the backward (transformers gradient checkpointing):
     activation memory of one layer instead of all, for about one more forward of compute."""

@@ -10,10 +10,15 @@ scales this step's learning rate by `ess_full`; `dual` updates its multiplier af
 `decoupled_ppo` takes pi_prox = the trainer at the start of this step (one optimizer step per batch, so
 that is l.detach()). A batch whose loss or gradient norm is not finite is skipped (no update of weights,
 optimizer or multiplier) and reported. Deterministic on CPU for a fixed model, seed and batch.
+
+`micro_batch_rows` splits the forward/backward into micro-batches of rows (gradient accumulation) without
+changing the step: a no-grad pass gives every row's log-probs, and each micro-batch then back-propagates
+the whole batch's loss through its own rows only.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from rlcommon.config import TrainerConfig
 from trainer_svc.batch import TrainBatch, build_batch
@@ -33,7 +38,7 @@ from trainer_svc.corrections import (
     dual_update,
     policy_loss,
 )
-from trainer_svc.logprobs import response_logprobs
+from trainer_svc.logprobs import ResponseLogprobs, response_logprobs
 from trainer_svc.snapshots import VersionSnapshots
 
 __all__ = ["StepResult", "TrainStep"]
@@ -102,33 +107,26 @@ class TrainStep:
         needs_topk = self.method in CENTERED_METHODS
 
         self.model.train()
-        current = response_logprobs(
-            self.model,
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            prompt_lengths=batch.prompt_lengths,
-            num_response_tokens=batch.num_response_tokens,
-            temperature=batch.temperature,
-            topk_ids=batch.topk_ids if needs_topk else None,
-            chunk_tokens=self.config.logits_chunk_tokens,
-        )
-        version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
-        centering = None
-        if needs_topk:
-            assert current.logp_topk is not None and version.logp_topk is not None
-            version_topk = version.logp_topk if self.method == "dlc" else None
-            centering = centering_term(current.logp_topk, batch.topk_logprobs, version_topk)
-        loss, loss_metrics = policy_loss(
-            self.method,
-            logp=current.logp,
-            logp_version=version.logp,
-            logp_sampler=batch.sampler_logprobs,
-            advantages=batch.advantages,
-            mask=batch.response_mask,
-            centering=centering,
-            config=self.config.correction,
-            state=self.correction_state,
-        )
+        micro = self.config.micro_batch_rows
+        if micro is None or micro >= batch.batch_size:
+            current = self._logprobs(batch, with_topk=needs_topk)
+            version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
+            loss, loss_metrics = self._loss(batch, current, version)
+            backward = [lambda: loss.backward()]
+        else:
+            # The whole batch's loss, one micro-batch of rows carrying the gradient at a time: the other rows'
+            # log-probs come from a no-grad pass, so every batch-level quantity (normalization, ESS, M2PO's
+            # mask, the dual term) is the whole batch's and the summed gradients equal the one-pass gradient.
+            splits = torch.arange(batch.batch_size).split(micro)
+            with torch.no_grad():
+                parts = [self._logprobs(batch.select(rows), with_topk=needs_topk) for rows in splits]
+            current = ResponseLogprobs(
+                logp=torch.cat([p.logp for p in parts]),
+                logp_topk=torch.cat([p.logp_topk for p in parts]) if needs_topk else None,
+            )
+            version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
+            loss, loss_metrics = self._loss(batch, current, version)
+            backward = [functools.partial(self._micro_backward, batch, rows, current, version) for rows in splits]
 
         skip_reason = None
         grad_norm = math.nan
@@ -136,7 +134,8 @@ class TrainStep:
         if not torch.isfinite(loss):
             skip_reason = f"non-finite loss {float(loss.detach())}"
         else:
-            loss.backward()
+            for run_backward in backward:
+                run_backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
             if not math.isfinite(grad_norm):
                 skip_reason = f"non-finite gradient norm {grad_norm}"
@@ -174,6 +173,55 @@ class TrainStep:
         self.step += 1
         metrics["step_time_s"] = time.perf_counter() - start
         return StepResult(metrics=metrics, skipped=skip_reason is not None, skip_reason=skip_reason)
+
+    def _logprobs(self, batch: TrainBatch, *, with_topk: bool) -> ResponseLogprobs:
+        return response_logprobs(
+            self.model,
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            prompt_lengths=batch.prompt_lengths,
+            num_response_tokens=batch.num_response_tokens,
+            temperature=batch.temperature,
+            topk_ids=batch.topk_ids if with_topk else None,
+            chunk_tokens=self.config.logits_chunk_tokens,
+        )
+
+    def _loss(
+        self, batch: TrainBatch, current: ResponseLogprobs, version: ResponseLogprobs
+    ) -> tuple[Tensor, dict[str, float]]:
+        centering = None
+        if self.method in CENTERED_METHODS:
+            assert current.logp_topk is not None and version.logp_topk is not None
+            version_topk = version.logp_topk if self.method == "dlc" else None
+            centering = centering_term(current.logp_topk, batch.topk_logprobs, version_topk)
+        return policy_loss(
+            self.method,
+            logp=current.logp,
+            logp_version=version.logp,
+            logp_sampler=batch.sampler_logprobs,
+            advantages=batch.advantages,
+            mask=batch.response_mask,
+            centering=centering,
+            config=self.config.correction,
+            state=self.correction_state,
+        )
+
+    def _micro_backward(
+        self, batch: TrainBatch, rows: Tensor, whole: ResponseLogprobs, version: ResponseLogprobs
+    ) -> None:
+        """Backward of the whole batch's loss through the log-probs of `rows` only (one forward with grad)."""
+        part = self._logprobs(batch.select(rows), with_topk=whole.logp_topk is not None)
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+
+        def spliced(full: Tensor, piece: Tensor) -> Tensor:
+            return torch.cat([full[:start], piece, full[stop:]])
+
+        current = ResponseLogprobs(
+            logp=spliced(whole.logp, part.logp),
+            logp_topk=None if whole.logp_topk is None else spliced(whole.logp_topk, part.logp_topk),
+        )
+        loss, _ = self._loss(batch, current, version)
+        loss.backward()
 
     def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
         versions = batch.weight_versions.tolist()

@@ -135,6 +135,39 @@ def test_gradient_checkpointing_changes_memory_not_the_step():
     assert results[-1].metrics["loss"] == pytest.approx(plain_results[-1].metrics["loss"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_micro_batches_give_the_one_pass_step(method):
+    """Three steps (the second and third on stale rollouts, mixed versions in the third), with micro-batches
+    of 3 rows (uneven split of 8 and 16 rows) and in one pass: the same metrics and weights."""
+
+    def run(**config):
+        model = tiny_model()
+        train_step = TrainStep(model, config=TrainerConfig(method=method, **config))
+        results = [train_step.train_on(make_rollouts(seed=0))]
+        results.append(train_step.train_on(make_rollouts(seed=1)))  # version 0 rollouts, model moved on
+        train_step.mark_published(1)
+        results.append(train_step.train_on(make_rollouts(weight_version=1, seed=2) + [
+            dataclasses.replace(r, group_id=r.group_id + 2) for r in make_rollouts(weight_version=0, seed=3)]))
+        return train_step, results
+
+    whole, whole_results = run()
+    micro, micro_results = run(micro_batch_rows=3)
+    for a, b in zip(whole_results, micro_results, strict=True):
+        assert not a.skipped and not b.skipped
+        for key, value in a.metrics.items():
+            if not key.endswith("time_s"):
+                assert b.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+    for (name, a), b in zip(whole.model.named_parameters(), micro.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_micro_batches_cost_one_more_forward():
+    model = tiny_model()
+    counter = _ForwardCounter(model)
+    TrainStep(model, config=TrainerConfig(method="dlc", micro_batch_rows=3)).train_on(make_rollouts())
+    assert counter.calls == 3 + 3  # 8 rows in splits of 3: a no-grad pass and a pass with grad
+
+
 def test_non_finite_batch_is_skipped_and_reported():
     model = tiny_model()
     train_step = TrainStep(model, config=TrainerConfig(method="dlc"))
