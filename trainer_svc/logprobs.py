@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ResponseLogprobs", "chunked_head_logprobs", "response_logprobs"]
+from trainer_svc.batch import TrainBatch
+
+__all__ = ["ResponseLogprobs", "batch_logprobs", "chunked_head_logprobs", "response_logprobs"]
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 26
 """Logits per chunk when no chunk size is given: 64 Mi float32 values (256 MiB)."""
@@ -82,9 +84,24 @@ def response_logprobs(
         temperatures.reshape(-1),
         chunk_tokens=chunk_tokens,
     ).reshape(batch_size, num_response_tokens, -1)
-    if topk_ids is None:
-        return ResponseLogprobs(logp=gathered[:, :, 0], logp_topk=None)
-    return ResponseLogprobs(logp=gathered[:, :, 0], logp_topk=gathered[:, :, 1:])
+    return ResponseLogprobs(logp=gathered[:, :, 0], logp_topk=None if topk_ids is None else gathered[:, :, 1:])
+
+
+def batch_logprobs(
+    model: nn.Module, batch: TrainBatch, *, with_topk: bool, chunk_tokens: int | None = None
+) -> ResponseLogprobs:
+    """`response_logprobs` of every row of a TrainBatch (its tensors on the model's device), at the top-K
+    ids too when `with_topk`."""
+    return response_logprobs(
+        model,
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        prompt_lengths=batch.prompt_lengths,
+        num_response_tokens=batch.num_response_tokens,
+        temperature=batch.temperature,
+        topk_ids=batch.topk_ids if with_topk else None,
+        chunk_tokens=chunk_tokens,
+    )
 
 
 def chunked_head_logprobs(

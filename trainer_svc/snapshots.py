@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer_svc.batch import TrainBatch
-from trainer_svc.logprobs import ResponseLogprobs, response_logprobs
+from trainer_svc.logprobs import ResponseLogprobs, batch_logprobs
 
 __all__ = ["MissingVersionError", "VersionSnapshots"]
 
@@ -26,14 +26,14 @@ class MissingVersionError(LookupError):
 
 
 class _LogprobsForward(nn.Module):
-    """`response_logprobs` as a module call, so functional_call can swap the wrapped model's weights."""
+    """`batch_logprobs` as a module call, so functional_call can swap the wrapped model's weights."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, **kwargs: Any) -> ResponseLogprobs:
-        return response_logprobs(self.model, **kwargs)
+    def forward(self, batch: TrainBatch, **kwargs: Any) -> ResponseLogprobs:
+        return batch_logprobs(self.model, batch, **kwargs)
 
 
 class VersionSnapshots:
@@ -42,7 +42,7 @@ class VersionSnapshots:
     def __init__(self, *, storage_device: str | torch.device = "cpu", chunk_tokens: int | None = None):
         self.storage_device = torch.device(storage_device)
         self.chunk_tokens = chunk_tokens
-        """LM-head chunk of the no-grad forwards (see `response_logprobs`)."""
+        """LM-head chunk of the no-grad forwards (see `chunked_head_logprobs`)."""
         self._weights: dict[int, dict[str, Tensor]] = {}
         self._published_step: dict[int, int] = {}
         self.live_version: int | None = None
@@ -110,18 +110,12 @@ class VersionSnapshots:
         weights = self._weights[version]
         if device != self.storage_device:
             weights = {name: tensor.to(device, non_blocking=True) for name, tensor in weights.items()}
-        kwargs = dict(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            prompt_lengths=batch.prompt_lengths.to(device),
-            num_response_tokens=batch.num_response_tokens,
-            temperature=batch.temperature,
-            topk_ids=batch.topk_ids.to(device) if with_topk else None,
-            chunk_tokens=self.chunk_tokens,
-        )
+        kwargs = dict(with_topk=with_topk, chunk_tokens=self.chunk_tokens)
         wrapper = _LogprobsForward(model)
         with torch.no_grad():
-            return torch.func.functional_call(wrapper, {f"model.{k}": v for k, v in weights.items()}, (), kwargs)
+            return torch.func.functional_call(
+                wrapper, {f"model.{k}": v for k, v in weights.items()}, (batch.to(device),), kwargs
+            )
 
     def version_logprobs(
         self, batch: TrainBatch, *, model: nn.Module, current: ResponseLogprobs

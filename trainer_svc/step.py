@@ -18,7 +18,6 @@ the whole batch's loss through its own rows only.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -38,7 +37,7 @@ from trainer_svc.corrections import (
     dual_update,
     policy_loss,
 )
-from trainer_svc.logprobs import ResponseLogprobs, response_logprobs
+from trainer_svc.logprobs import ResponseLogprobs, batch_logprobs
 from trainer_svc.snapshots import VersionSnapshots
 
 __all__ = ["StepResult", "TrainStep"]
@@ -108,25 +107,21 @@ class TrainStep:
 
         self.model.train()
         micro = self.config.micro_batch_rows
-        if micro is None or micro >= batch.batch_size:
+        splits = None if micro is None or micro >= batch.batch_size else torch.arange(batch.batch_size).split(micro)
+        if splits is None:
             current = self._logprobs(batch, with_topk=needs_topk)
-            version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
-            loss, loss_metrics = self._loss(batch, current, version)
-            backward = [lambda: loss.backward()]
         else:
             # The whole batch's loss, one micro-batch of rows carrying the gradient at a time: the other rows'
             # log-probs come from a no-grad pass, so every batch-level quantity (normalization, ESS, M2PO's
             # mask, the dual term) is the whole batch's and the summed gradients equal the one-pass gradient.
-            splits = torch.arange(batch.batch_size).split(micro)
             with torch.no_grad():
                 parts = [self._logprobs(batch.select(rows), with_topk=needs_topk) for rows in splits]
             current = ResponseLogprobs(
                 logp=torch.cat([p.logp for p in parts]),
                 logp_topk=torch.cat([p.logp_topk for p in parts]) if needs_topk else None,
             )
-            version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
-            loss, loss_metrics = self._loss(batch, current, version)
-            backward = [functools.partial(self._micro_backward, batch, rows, current, version) for rows in splits]
+        version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
+        loss, loss_metrics = self._loss(batch, current, version)
 
         skip_reason = None
         grad_norm = math.nan
@@ -134,8 +129,11 @@ class TrainStep:
         if not torch.isfinite(loss):
             skip_reason = f"non-finite loss {float(loss.detach())}"
         else:
-            for run_backward in backward:
-                run_backward()
+            if splits is None:
+                loss.backward()
+            else:
+                for rows in splits:
+                    self._micro_backward(batch, rows, current, version)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
             if not math.isfinite(grad_norm):
                 skip_reason = f"non-finite gradient norm {grad_norm}"
@@ -175,16 +173,7 @@ class TrainStep:
         return StepResult(metrics=metrics, skipped=skip_reason is not None, skip_reason=skip_reason)
 
     def _logprobs(self, batch: TrainBatch, *, with_topk: bool) -> ResponseLogprobs:
-        return response_logprobs(
-            self.model,
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            prompt_lengths=batch.prompt_lengths,
-            num_response_tokens=batch.num_response_tokens,
-            temperature=batch.temperature,
-            topk_ids=batch.topk_ids if with_topk else None,
-            chunk_tokens=self.config.logits_chunk_tokens,
-        )
+        return batch_logprobs(self.model, batch, with_topk=with_topk, chunk_tokens=self.config.logits_chunk_tokens)
 
     def _loss(
         self, batch: TrainBatch, current: ResponseLogprobs, version: ResponseLogprobs

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rlcommon.wire import Rollout
-from tests.unit.trainer_helpers import VOCAB, tiny_model
+from tests.unit.trainer_helpers import VOCAB, ForwardCounter, tiny_model
 from trainer_svc.batch import build_batch
-from trainer_svc.logprobs import response_logprobs
+from trainer_svc.logprobs import batch_logprobs, response_logprobs
 from trainer_svc.snapshots import MissingVersionError, VersionSnapshots
 
 
@@ -43,20 +43,12 @@ def reference_logprobs(model, rollout, temperature):
     return sampled, topk
 
 
-def batch_logprobs(model, batch, *, with_topk=True):
-    return response_logprobs(
-        model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-        prompt_lengths=batch.prompt_lengths, num_response_tokens=batch.num_response_tokens,
-        temperature=batch.temperature, topk_ids=batch.topk_ids if with_topk else None,
-    )
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_padded_batch_matches_row_by_row_reference(temperature):
     model = tiny_model()
     rollouts = make_rollouts(weight_versions=(0,) * 5, temperature=temperature)
     batch = build_batch(rollouts)
-    result = batch_logprobs(model, batch)
+    result = batch_logprobs(model, batch, with_topk=True)
     assert result.logp.shape == batch.response_mask.shape
     assert result.logp_topk.shape == batch.topk_ids.shape
     for row, rollout_id in enumerate(batch.rollout_ids):
@@ -81,7 +73,7 @@ def test_logprobs_carry_gradient_and_skip_topk_when_not_asked():
 def test_per_row_temperature_tensor():
     model = tiny_model()
     batch = build_batch(make_rollouts())
-    scalar = batch_logprobs(model, batch).logp
+    scalar = batch_logprobs(model, batch, with_topk=True).logp
     per_row = response_logprobs(
         model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
         prompt_lengths=batch.prompt_lengths, num_response_tokens=batch.num_response_tokens,
@@ -102,37 +94,28 @@ def _sgd_step(model):
 def test_snapshot_logprobs_are_those_of_the_kept_weights():
     model = tiny_model()
     batch = build_batch(make_rollouts(weight_versions=(0, 0, 0, 0)))
-    before = batch_logprobs(model, batch)
+    before = batch_logprobs(model, batch, with_topk=True)
     snapshots = VersionSnapshots()
     snapshots.keep(0, model, step=0)
     _sgd_step(model)
     snapshots.model_changed()
-    after = batch_logprobs(model, batch)
+    after = batch_logprobs(model, batch, with_topk=True)
     assert not torch.allclose(after.logp, before.logp)
     at_version = snapshots.logprobs_at(0, batch, model=model, with_topk=True)
     torch.testing.assert_close(at_version.logp, before.logp.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(at_version.logp_topk, before.logp_topk.detach(), rtol=1e-6, atol=1e-6)
     assert not at_version.logp.requires_grad
     # The model's own weights are untouched by the swap.
-    torch.testing.assert_close(batch_logprobs(model, batch).logp, after.logp)
-
-
-class _ForwardCounter:
-    def __init__(self, model):
-        self.calls = 0
-        model.get_decoder().register_forward_hook(self._hook)
-
-    def _hook(self, *_):
-        self.calls += 1
+    torch.testing.assert_close(batch_logprobs(model, batch, with_topk=True).logp, after.logp)
 
 
 def test_live_version_needs_no_extra_forward_and_older_versions_one_each():
     model = tiny_model()
-    counter = _ForwardCounter(model)
+    counter = ForwardCounter(model)
     snapshots = VersionSnapshots()
     snapshots.keep(0, model, step=0)
     batch = build_batch(make_rollouts(weight_versions=(0, 0, 0, 0)))
-    current = batch_logprobs(model, batch)
+    current = batch_logprobs(model, batch, with_topk=True)
     calls = counter.calls
     fresh = snapshots.version_logprobs(batch, model=model, current=current)
     assert counter.calls == calls
@@ -146,7 +129,7 @@ def test_live_version_needs_no_extra_forward_and_older_versions_one_each():
     snapshots.model_changed()
     snapshots.keep(2, model, step=5)  # live: the model is version 2
     batch = build_batch(make_rollouts(weight_versions=(0, 2, 1, 0, 2, 1)))
-    current = batch_logprobs(model, batch)
+    current = batch_logprobs(model, batch, with_topk=True)
     calls = counter.calls
     mixed = snapshots.version_logprobs(batch, model=model, current=current)
     assert counter.calls == calls + 2  # versions 0 and 1; version 2 is live

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlcommon.config import METHODS, CorrectionConfig, TrainerConfig
-from tests.unit.trainer_helpers import make_rollouts, tiny_model
+from tests.unit.trainer_helpers import ForwardCounter, make_rollouts, tiny_model
 from trainer_svc.batch import build_batch, group_advantages
 from trainer_svc.step import TrainStep
 
@@ -163,7 +163,7 @@ def test_micro_batches_give_the_one_pass_step(method):
 
 def test_micro_batches_cost_one_more_forward():
     model = tiny_model()
-    counter = _ForwardCounter(model)
+    counter = ForwardCounter(model)
     TrainStep(model, config=TrainerConfig(method="dlc", micro_batch_rows=3)).train_on(make_rollouts())
     assert counter.calls == 3 + 3  # 8 rows in splits of 3: a no-grad pass and a pass with grad
 
@@ -218,18 +218,9 @@ def test_dual_multiplier_is_updated_after_the_step():
     assert train_step.correction_state.lam == second.metrics["lambda_next"]
 
 
-class _ForwardCounter:
-    def __init__(self, model):
-        self.calls = 0
-        model.get_decoder().register_forward_hook(self._hook)
-
-    def _hook(self, *_):
-        self.calls += 1
-
-
 def test_fresh_rollouts_cost_one_forward_and_stale_ones_two():
     model = tiny_model()
-    counter = _ForwardCounter(model)
+    counter = ForwardCounter(model)
     train_step = TrainStep(model, config=TrainerConfig(method="dlc"))
     fresh = train_step.train_on(make_rollouts(weight_version=0))
     assert counter.calls == 1

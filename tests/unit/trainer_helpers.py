@@ -20,6 +20,17 @@ def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config)
 
 
+class ForwardCounter:
+    """Counts the forwards of a model's decoder (forward hook)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.get_decoder().register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
 def make_rollouts(*, num_groups=2, group_size=4, weight_version=0, seed=0, topk=4, rewards=None):
     """Random rollouts; the sampled token is always the first top-K id (as the wire requires)."""
     rng = np.random.default_rng(seed)
