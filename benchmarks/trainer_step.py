@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rlcommon.config import TrainerConfig
-from rlcommon.tiny_model import PRESETS
+from rlcommon.tiny_model import PRESETS, qwen3_config
 from rlcommon.tokenizer import CharTokenizer
 from rlcommon.wire import Rollout
 from trainer_svc.step import TrainStep
@@ -39,20 +39,9 @@ TARGETS = {"fresh": 1.05, "stale": 1.5}
 
 
 def build_model(preset: str, *, seed: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    shape = PRESETS[preset]
-    tokenizer = CharTokenizer()
-    config = Qwen3Config(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=False,
-    )
+    config = qwen3_config(PRESETS[preset], CharTokenizer())
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(config)
 

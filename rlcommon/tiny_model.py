@@ -52,6 +52,7 @@ __all__ = [
     "build_tiny_model",
     "measure_reward",
     "model_source",
+    "qwen3_config",
     "resolve_model",
     "main",
 ]
@@ -272,7 +273,8 @@ def build_tiny_model(
 # ----------------------------------------------------------------------------------------- build + warm start
 
 
-def _qwen3_config(shape: ModelShape, tokenizer: CharTokenizer):
+def qwen3_config(shape: ModelShape, tokenizer: CharTokenizer):
+    """The Qwen3Config of a model shape over the character tokenizer."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -482,7 +484,7 @@ def _build_model_into(
     tokenizer = CharTokenizer()
     with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG state
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(_qwen3_config(shape, tokenizer))
+        model = Qwen3ForCausalLM(qwen3_config(shape, tokenizer))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id
     )
