@@ -1,9 +1,9 @@
-"""Optional shared-token authentication and TLS for the coordinator's gRPC server and its clients.
+"""Optional shared-token authentication and TLS for the coordinator's gRPC server (clients: rlcommon.rpc).
 
 With `coordinator.auth_token` set, every state-changing call must carry the metadata
 `authorization: Bearer <token>`; a missing or wrong token is UNAUTHENTICATED. Read-only calls (status,
 history, plans, health, reflection) stay open. The token travels in clear text unless TLS is on
-(`coordinator.tls_cert` + `tls_key` on the server, the CA or the certificate itself on clients).
+(`coordinator.tls_cert` + `tls_key` on the server, `coordinator.tls_ca` on clients).
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Collection
-from pathlib import Path
 from typing import Any
 
 import grpc
+
+from rlcommon.rpc import AUTH_HEADER, BEARER, auth_metadata, read_pem
 
 logger = logging.getLogger(__name__)
 
@@ -23,17 +24,7 @@ __all__ = [
     "TokenAuthInterceptor",
     "auth_metadata",
     "server_credentials",
-    "open_channel",
-    "open_aio_channel",
 ]
-
-AUTH_HEADER = "authorization"
-BEARER = "Bearer "
-
-
-def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata that carries `token` (empty without a token)."""
-    return ((AUTH_HEADER, f"{BEARER}{token}"),) if token else ()
 
 
 def _token_problem(expected: str, metadata: Any) -> str | None:
@@ -94,41 +85,12 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return _denied_handler(handler, problem)
 
 
-def _read_pem(path: str, what: str) -> bytes:
-    file = Path(path).expanduser()
-    try:
-        data = file.read_bytes()
-    except OSError as err:
-        raise ValueError(f"{what}: cannot read {file}: {err.strerror}") from None
-    if b"-----BEGIN" not in data:
-        raise ValueError(f"{what}: {file} is not a PEM file")
-    return data
-
-
 def server_credentials(tls_cert: str | None, tls_key: str | None) -> grpc.ServerCredentials | None:
     """TLS credentials from PEM files (None when TLS is off); ValueError names a bad file."""
     if tls_cert is None and tls_key is None:
         return None
     if tls_cert is None or tls_key is None:
         raise ValueError("coordinator.tls_cert and coordinator.tls_key must be set together")
-    key = _read_pem(tls_key, "coordinator.tls_key")
-    cert = _read_pem(tls_cert, "coordinator.tls_cert")
+    key = read_pem(tls_key, "coordinator.tls_key")
+    cert = read_pem(tls_cert, "coordinator.tls_cert")
     return grpc.ssl_server_credentials([(key, cert)])
-
-
-def _channel_credentials(tls_ca: str) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca, "TLS CA"))
-
-
-def open_channel(address: str, *, tls_ca: str | None = None) -> grpc.Channel:
-    """A blocking channel to the coordinator; TLS when `tls_ca` (CA or server certificate PEM) is given."""
-    if tls_ca:
-        return grpc.secure_channel(address, _channel_credentials(tls_ca))
-    return grpc.insecure_channel(address)
-
-
-def open_aio_channel(address: str, *, tls_ca: str | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to the coordinator (for samplers and trainers on asyncio)."""
-    if tls_ca:
-        return grpc.aio.secure_channel(address, _channel_credentials(tls_ca))
-    return grpc.aio.insecure_channel(address)

@@ -19,13 +19,11 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.auth import auth_metadata, open_aio_channel
 from protos import coordinator_pb2 as pb
-from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
-from rlcommon.rpc import acall_with_retry
+from rlcommon.rpc import AsyncCoordinatorClient
 from rlcommon.tiny_model import resolve_model
 from rlcommon.weight_store import WeightsError
 from rlcommon.wire import Task, WireError
@@ -63,9 +61,7 @@ class SamplerService:
             self.conn, cfg.bus, "tasks", group=TASKS_GROUP, consumer=self.sampler_id, expected=Task, limits=cfg.wire
         )
         self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts")
-        self.channel = open_aio_channel(cfg.coordinator.dial_address)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
-        self.metadata = auth_metadata(cfg.coordinator.auth_token)
+        self.coordinator = AsyncCoordinatorClient.from_config(cfg.coordinator)
         start_metrics_server(cfg.sampler.metrics_port)
         self.metrics = MetricsSink(service="sampler")
         await self.register()
@@ -80,8 +76,8 @@ class SamplerService:
         await asyncio.gather(*self.background, *self.inflight, return_exceptions=True)
         if self.engine is not None:
             await self.engine.stop()
-        if hasattr(self, "channel"):
-            await self.channel.close()
+        if hasattr(self, "coordinator"):
+            await self.coordinator.close()
             self.conn.close()
 
     # ------------------------------------------------------------------------------------------ main loop
@@ -145,9 +141,7 @@ class SamplerService:
             sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
             hostname=socket.gethostname(), pid=os.getpid(),
         )
-        reply = await acall_with_retry(
-            lambda: self.stub.RegisterSampler(request, metadata=self.metadata, timeout=30), what="RegisterSampler"
-        )
+        reply = await self.coordinator.call("RegisterSampler", request)
         if reply.HasField("latest") and reply.latest.weight_version > self.engine.weight_version:
             await self.apply_update(reply.latest)
 
@@ -159,7 +153,7 @@ class SamplerService:
                 sampler_id=self.sampler_id, weight_version=self.engine.weight_version
             )
             try:
-                async for update in self.stub.SubscribeWeightUpdates(request, metadata=self.metadata):
+                async for update in self.coordinator.stream("SubscribeWeightUpdates", request):
                     attempt = 0
                     await self.apply_update(update)
             except grpc.aio.AioRpcError as err:
@@ -195,9 +189,7 @@ class SamplerService:
         request = pb.AckWeightVersionRequest(
             sampler_id=self.sampler_id, weight_version=update.weight_version, error=error, load_s=load_s
         )
-        await acall_with_retry(
-            lambda: self.stub.AckWeightVersion(request, metadata=self.metadata, timeout=30), what="AckWeightVersion"
-        )
+        await self.coordinator.call("AckWeightVersion", request)
 
     async def heartbeats(self) -> None:
         while not self.stopping.is_set():
@@ -206,7 +198,7 @@ class SamplerService:
                 num_inflight_tasks=len(self.inflight), num_rollouts=self.num_rollouts,
             )
             try:
-                await self.stub.Heartbeat(request, metadata=self.metadata, timeout=10)
+                await self.coordinator.call("Heartbeat", request, timeout_s=10, retry=False)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     with contextlib.suppress(grpc.aio.AioRpcError):

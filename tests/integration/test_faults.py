@@ -72,23 +72,18 @@ class FaultDriver:
         self.stack = LocalStack(cfg)
         self.run_dir = Path(cfg.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.channel: grpc.Channel | None = None
         self.redis: redis.Redis | None = None
 
     def start(self) -> None:
         """The whole stack; the trainer only once every sampler has registered (engines start at different
         speeds on a busy machine, and a run of fast steps could end before the slow one is up)."""
         self.stack.start(hold=("trainer",))
-        self.channel = grpc.insecure_channel(self.stack.address)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.redis = redis.Redis.from_url(self.stack.redis_url)
         samplers = [name for name in self.stack.specs if name.startswith("sampler-")]
         self.wait_until("every sampler to register", lambda: set(samplers) <= set(self.samplers()))
         self.stack.start_service("trainer")
 
     def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
         if self.redis is not None:
             self.redis.close()
         self.stack.stop()
@@ -102,16 +97,9 @@ class FaultDriver:
         path = self.run_dir / "logs" / f"{name}.log"
         return path.stat().st_size if path.exists() else 0
 
-    def rpc(self, method: str, request: Any, **kwargs: Any) -> Any:
-        """A read-only coordinator call, retried while the coordinator restarts."""
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                return getattr(self.stub, method)(request, timeout=10, **kwargs)
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+    def rpc(self, method: str, request: Any) -> Any:
+        """A read-only coordinator call through the launcher's client (waits while the coordinator restarts)."""
+        return self.stack.client.call(method, request, timeout_s=10)
 
     def samplers(self) -> dict[str, pb.SamplerInfo]:
         return {s.sampler_id: s for s in self.rpc("ListSamplers", pb.ListSamplersRequest()).samplers}
