@@ -88,6 +88,8 @@ def batch_summary_pb(record: BatchRecord) -> pb.BatchSummary:
         complete_at=record.complete_at,
         trained_at=record.trained_at,
         trained_step=record.trained_step,
+        num_reissues=record.num_reissues,
+        reissued_slots=record.reissued_slots,
     )
 
 
@@ -152,6 +154,7 @@ def status_pb(view: StatusView) -> pb.GetStatusResponse:
         batch_size=view.batch_size,
         group_size=view.group_size,
         max_inflight_batches=view.max_inflight_batches,
+        slots_reissued=view.slots_reissued,
     )
     if view.last_ess_lag is not None:
         reply.last_ess_lag = view.last_ess_lag

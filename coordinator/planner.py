@@ -12,7 +12,13 @@ rollouts) -> TRAINED (the trainer reported the step that trained it).
 Writing a batch's tasks survives a crash at any point: the ledger record is saved with the stream's last
 entry id (`stream_mark`) before the tasks are sent and flagged `tasks_written` after; on start, a batch
 still unflagged gets only the tasks that are not after the mark yet (the coordinator is the only writer of
-the tasks stream, and writes one batch at a time, in group order).
+the tasks stream, and writes one batch at a time, in group order). A write that failed while the
+coordinator runs (Redis down past its reconnect budget) is finished the same way before anything else is
+written.
+
+A stalled batch (see `coordinator.stalls`) gets its missing slots re-issued: one more Task per group that
+misses samples, with the same task id and `sample_indices` naming only the missing ones. The ledger counts
+the re-issues (`num_reissues`, `reissued_slots`).
 """
 
 from __future__ import annotations
@@ -79,6 +85,12 @@ class BatchRecord:
     tasks_written: bool = False
     stream_mark: str = ""
     """Last entry id of the tasks stream just before this batch's tasks were sent."""
+    num_reissues: int = 0
+    """Times its missing slots were re-issued (the batch stalled)."""
+    reissued_slots: int = 0
+    """Slots re-issued, summed over the re-issues."""
+    reissued_at: float = 0.0
+    """Time of the last re-issue (0 = never)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -277,6 +289,7 @@ class BatchPlanner:
 
     def plan_ahead(self) -> list[int]:
         """Plan (and write the tasks of) every batch the horizon allows; returns the new batch ids."""
+        self._finish_last_write()
         planned = []
         while len(self.ledger) < self.horizon():
             planned.append(self._plan_batch(len(self.ledger)))
@@ -304,56 +317,95 @@ class BatchPlanner:
         )
         return batch_id
 
+    @staticmethod
+    def _task(record: BatchRecord, group: GroupPlan, prompt_ids: np.ndarray, **extra: Any) -> Any:
+        from rlcommon.wire import Task
+
+        return Task(
+            task_id=group.task_id,
+            batch_id=record.batch_id,
+            group_id=group.group_id,
+            prompt_ids=prompt_ids,
+            group_size=record.group_size,
+            payload=dict(group.payload),
+            weight_version_hint=record.weight_version_hint,
+            **extra,
+        )
+
     def _write_tasks(
         self, record: BatchRecord, prompt_ids: list[np.ndarray], *, already_written: int
     ) -> None:
-        from rlcommon.wire import Task
-
         tasks = [
-            Task(
-                task_id=group.task_id,
-                batch_id=record.batch_id,
-                group_id=group.group_id,
-                prompt_ids=ids,
-                group_size=record.group_size,
-                payload=dict(group.payload),
-                weight_version_hint=record.weight_version_hint,
-            )
-            for group, ids in zip(record.groups, prompt_ids, strict=True)
+            self._task(record, group, ids) for group, ids in zip(record.groups, prompt_ids, strict=True)
         ]
         if tasks[already_written:]:
             self.writer.send_many(tasks[already_written:])
         record.tasks_written = True
         self.ledger.update(record)
 
+    def _replanned_groups(self, record: BatchRecord) -> list[tuple[GroupPlan, np.ndarray]]:
+        """The plan of a persisted batch, re-created (with its prompt ids); PlanError if it differs."""
+        groups = self.plan_groups(record.batch_id)
+        if [g for g, _ in groups] != record.groups:
+            raise PlanError(
+                f"batch {record.batch_id}: the persisted plan differs from the plan of the current task "
+                "settings; the run's task or tokenizer settings changed (use a new bus.run_id)"
+            )
+        return groups
+
+    def _finish_write(self, record: BatchRecord) -> None:
+        written = self.writer.count_after(record.stream_mark)
+        if written > len(record.groups):
+            raise PlanError(
+                f"tasks stream holds {written} entries after batch {record.batch_id}'s mark, more than its "
+                f"{len(record.groups)} tasks: another process writes to the tasks stream of this run"
+            )
+        prompt_ids = [ids for _, ids in self._replanned_groups(record)]
+        logger.warning(
+            "batch %d: resuming an interrupted write (%d of %d tasks were sent)",
+            record.batch_id,
+            written,
+            len(record.groups),
+        )
+        self._write_tasks(record, prompt_ids, already_written=written)
+
+    def _finish_last_write(self) -> None:
+        """Finish the last batch's write if it failed part-way (nothing was written after it since)."""
+        if len(self.ledger) and not (record := self.ledger.get(len(self.ledger) - 1)).tasks_written:
+            self._finish_write(record)
+
     def recover(self) -> list[int]:
         """Finish writing the tasks of any batch a crash interrupted; returns the batch ids finished."""
         finished = []
         for record in self.ledger.records():
-            if record.tasks_written:
-                continue
-            written = self.writer.count_after(record.stream_mark)
-            if written > len(record.groups):
-                raise PlanError(
-                    f"tasks stream holds {written} entries after batch {record.batch_id}'s mark, more than its "
-                    f"{len(record.groups)} tasks: another process writes to the tasks stream of this run"
-                )
-            groups = self.plan_groups(record.batch_id)
-            if [g for g, _ in groups] != record.groups:
-                raise PlanError(
-                    f"batch {record.batch_id}: the persisted plan differs from the plan of the current task "
-                    "settings; the run's task or tokenizer settings changed (use a new bus.run_id)"
-                )
-            prompt_ids = [ids for _, ids in groups]
-            logger.warning(
-                "batch %d: resuming an interrupted write (%d of %d tasks were sent)",
-                record.batch_id,
-                written,
-                len(record.groups),
-            )
-            self._write_tasks(record, prompt_ids, already_written=written)
-            finished.append(record.batch_id)
+            if not record.tasks_written:
+                self._finish_write(record)
+                finished.append(record.batch_id)
         return finished
+
+    # ---------------------------------------------------------------------------------------- re-issue
+
+    def reissue(self, batch_id: int, slots: Sequence[tuple[int, int]]) -> list[Any]:
+        """Write one Task per group of `slots` ((group_id, sample_index) pairs), naming only those samples,
+        and count the re-issue in the ledger; returns the tasks written."""
+        from coordinator.stalls import slots_by_group
+
+        record = self.ledger.get(batch_id)
+        assert slots and record.status == "planned", (batch_id, record.status, slots)
+        self._finish_last_write()
+        groups = self._replanned_groups(record)
+        tasks = []
+        for group_id, indices in slots_by_group(slots).items():
+            assert 0 <= group_id < len(groups) and indices[-1] < record.group_size, (group_id, indices)
+            group, prompt_ids = groups[group_id]
+            every = len(indices) == record.group_size  # the whole group: a plain task, as first written
+            tasks.append(self._task(record, group, prompt_ids, sample_indices=() if every else indices))
+        self.writer.send_many(tasks)
+        record.num_reissues += 1
+        record.reissued_slots += len(slots)
+        record.reissued_at = self.clock()
+        self.ledger.update(record)
+        return tasks
 
 
 def encoder_for(model_cfg: Any, task_cfg: Any) -> Callable[[str], Sequence[int]]:

@@ -1,7 +1,8 @@
 """The coordinator's logic as one plain, synchronous class: `Coordinator`.
 
-It composes the batch planner and ledger (`planner`), the sync policy (`sync_policy`), the samplers
-(`samplers`), the sync tracker (`syncs`) and the Redis persistence (`state`), and validates every argument
+It composes the batch planner and ledger (`planner`), the stall rule (`stalls`), the sync policy
+(`sync_policy`), the samplers (`samplers`), the sync tracker (`syncs`) and the Redis persistence (`state`),
+and validates every argument
 a client sends. The gRPC layer (`server`) only converts messages and maps `CoordinatorError` to status
 codes. Lifecycle: `start()` (take the run's lock, load or create the state, finish an interrupted task
 write, plan ahead), the public calls, `tick()` every fraction of a second (ack timeouts, lost samplers,
@@ -25,6 +26,7 @@ from typing import Any
 
 from coordinator.planner import BATCH_STATUSES, BatchCounts, BatchLedger, BatchPlanner, BatchRecord
 from coordinator.samplers import SAMPLER_ID_PATTERN, SamplerRegistry, SamplerView
+from coordinator.stalls import BatchProgress, is_stalled, mark_reissued, missing_slots, track_progress
 from coordinator.state import CoordinatorStore, TasksStream
 from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide, describe
 from coordinator.syncs import SyncRecord, SyncTracker, WeightUpdateInfo
@@ -40,6 +42,7 @@ __all__ = [
     "FailedPrecondition",
     "StartupError",
     "StepAnswer",
+    "ProgressAnswer",
     "StatusView",
     "Coordinator",
 ]
@@ -84,6 +87,15 @@ class StepAnswer:
 
 
 @dataclass(frozen=True)
+class ProgressAnswer:
+    reissued_slots: list[tuple[int, int]]
+    """(group_id, sample_index) of the slots re-issued because of this report; empty almost always."""
+    stalled_s: float
+    """Seconds since the batch's filled slots last changed or were last re-issued."""
+    record: BatchRecord
+
+
+@dataclass(frozen=True)
 class StepReportView:
     step: int
     batch_id: int
@@ -115,6 +127,7 @@ class StatusView:
     batch_size: int
     group_size: int
     max_inflight_batches: int
+    slots_reissued: int
 
 
 def _non_negative(field: str, value: int) -> int:
@@ -186,6 +199,13 @@ class Coordinator:
         self._last_step: StepReportView | None = None
         self._pending_publish: dict[str, Any] | None = None
         self._planning_error: str | None = None
+        self._progress: BatchProgress | None = None
+        """The trainer's last progress report on the batch it waits on (not persisted: a restart restarts
+        the stall clock)."""
+        self._stalled_without_samplers: int | None = None
+        """The batch whose stall was last logged as waiting for a live sampler (logged once per batch)."""
+        self.slots_reissued = 0
+        """Slots of stalled batches re-issued in this run (the ledger's `reissued_slots`, summed)."""
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -268,6 +288,7 @@ class Coordinator:
         self._pending_publish = values.get("pending_publish")
 
         self.ledger = BatchLedger(self.store.load_batches(), save=self.store.save_batch)
+        self.slots_reissued = sum(r.reissued_slots for r in self.ledger.records())
         self.samplers = SamplerRegistry(
             self.store.load_samplers(),
             save=self.store.save_sampler,
@@ -478,6 +499,55 @@ class Coordinator:
             logger.info("batch %d complete", batch_id)
         return self.ledger.mark_complete(batch_id, now=self.clock())
 
+    def report_batch_progress(self, batch_id: int, *, filled_slots: Sequence[int]) -> ProgressAnswer:
+        """The trainer holds `filled_slots` (numbered group_id * G + sample_index) of the batch it waits on.
+        Re-issues the missing slots once the batch has stalled for `coordinator.batch_stall_s`, and again
+        each further stall (see `stalls`); not while no sampler is live (nobody could sample them, and the
+        tasks already queued reach the first sampler back)."""
+        record = self._planned_batch(batch_id)
+        num_slots = len(record.groups) * record.group_size
+        filled = set()
+        for slot in filled_slots:
+            if not 0 <= slot < num_slots:
+                raise InvalidArgument(
+                    "filled_slots",
+                    f"slot {slot} is outside batch {batch_id}'s {num_slots} slots "
+                    f"(group_id * {record.group_size} + sample_index)",
+                )
+            if slot in filled:
+                raise InvalidArgument("filled_slots", f"slot {slot} is listed twice")
+            filled.add(slot)
+        now = self.clock()
+        if record.status != "planned":  # complete or trained (a replaying trainer): nothing can be missing
+            return ProgressAnswer([], 0.0, record)
+        progress = track_progress(self._progress, batch_id=batch_id, num_filled=len(filled), now=now)
+        reissued: list[tuple[int, int]] = []
+        stalled = is_stalled(progress, num_slots=num_slots, now=now, stall_s=self.ccfg.batch_stall_s)
+        if stalled and not self.samplers.live_ids(now):
+            if self._stalled_without_samplers != batch_id:
+                self._stalled_without_samplers = batch_id
+                logger.warning("batch %d stalled with %d of %d slots filled, but no sampler is live: its missing "
+                               "slots are re-issued once one is", batch_id, len(filled), num_slots)
+        elif stalled:
+            reissued = missing_slots(filled, num_groups=len(record.groups), group_size=record.group_size)
+            self.planner.reissue(batch_id, reissued)
+            self.slots_reissued += len(reissued)
+            logger.warning(
+                "batch %d stalled: %d of %d slots filled, unchanged for %.0f s; re-issued %d slots "
+                "(group, sample) %s%s (re-issue %d of this batch)",
+                batch_id,
+                len(filled),
+                num_slots,
+                now - max(progress.changed_at, progress.reissued_at),
+                len(reissued),
+                reissued[:8],
+                "..." if len(reissued) > 8 else "",
+                record.num_reissues,
+            )
+            progress = mark_reissued(progress, now=now)
+        self._progress = progress
+        return ProgressAnswer(reissued, now - max(progress.changed_at, progress.reissued_at), record)
+
     def report_step(
         self, *, step: int, batch_id: int, weight_version: int, stats: Mapping[str, float]
     ) -> StepAnswer:
@@ -687,4 +757,5 @@ class Coordinator:
             batch_size=self.ccfg.batch_size,
             group_size=self.ccfg.group_size,
             max_inflight_batches=self.ccfg.max_inflight_batches,
+            slots_reissued=self.slots_reissued,
         )

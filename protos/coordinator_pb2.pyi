@@ -115,7 +115,7 @@ class SyncRecord(_message.Message):
     def __init__(self, sync_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., state: _Optional[_Union[SyncState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., duration_s: _Optional[float] = ..., expected_samplers: _Optional[_Iterable[str]] = ..., acked_samplers: _Optional[_Iterable[str]] = ..., unhealthy_samplers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchSummary(_message.Message):
-    __slots__ = ("batch_id", "status", "num_groups", "group_size", "planned_at", "complete_at", "trained_at", "trained_step")
+    __slots__ = ("batch_id", "status", "num_groups", "group_size", "planned_at", "complete_at", "trained_at", "trained_step", "num_reissues", "reissued_slots")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,8 @@ class BatchSummary(_message.Message):
     COMPLETE_AT_FIELD_NUMBER: _ClassVar[int]
     TRAINED_AT_FIELD_NUMBER: _ClassVar[int]
     TRAINED_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_REISSUES_FIELD_NUMBER: _ClassVar[int]
+    REISSUED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     status: BatchStatus
     num_groups: int
@@ -132,7 +134,9 @@ class BatchSummary(_message.Message):
     complete_at: float
     trained_at: float
     trained_step: int
-    def __init__(self, batch_id: _Optional[int] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., num_groups: _Optional[int] = ..., group_size: _Optional[int] = ..., planned_at: _Optional[float] = ..., complete_at: _Optional[float] = ..., trained_at: _Optional[float] = ..., trained_step: _Optional[int] = ...) -> None: ...
+    num_reissues: int
+    reissued_slots: int
+    def __init__(self, batch_id: _Optional[int] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., num_groups: _Optional[int] = ..., group_size: _Optional[int] = ..., planned_at: _Optional[float] = ..., complete_at: _Optional[float] = ..., trained_at: _Optional[float] = ..., trained_step: _Optional[int] = ..., num_reissues: _Optional[int] = ..., reissued_slots: _Optional[int] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
     __slots__ = ("group_id", "task_id", "prompt_index", "prompt", "num_prompt_tokens", "payload")
@@ -296,6 +300,24 @@ class MarkBatchCompleteResponse(_message.Message):
     batch: BatchSummary
     def __init__(self, batch: _Optional[_Union[BatchSummary, _Mapping]] = ...) -> None: ...
 
+class ReportBatchProgressRequest(_message.Message):
+    __slots__ = ("batch_id", "filled_slots")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    FILLED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    filled_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[int] = ..., filled_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReportBatchProgressResponse(_message.Message):
+    __slots__ = ("reissued_slots", "stalled_s", "batch")
+    REISSUED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    reissued_slots: _containers.RepeatedScalarFieldContainer[int]
+    stalled_s: float
+    batch: BatchSummary
+    def __init__(self, reissued_slots: _Optional[_Iterable[int]] = ..., stalled_s: _Optional[float] = ..., batch: _Optional[_Union[BatchSummary, _Mapping]] = ...) -> None: ...
+
 class ReportStepRequest(_message.Message):
     __slots__ = ("step", "batch_id", "weight_version", "stats")
     class StatsEntry(_message.Message):
@@ -362,7 +384,7 @@ class QueueDepths(_message.Message):
     def __init__(self, tasks: _Optional[int] = ..., rollouts: _Optional[int] = ..., deadletter: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("run_id", "sync_policy", "published_version", "trainer_version", "last_ess_lag", "last_step", "batches", "samplers", "queues", "sync_in_progress", "pending_manual_triggers", "num_syncs", "started_at", "sync_policy_detail", "batch_size", "group_size", "max_inflight_batches")
+    __slots__ = ("run_id", "sync_policy", "published_version", "trainer_version", "last_ess_lag", "last_step", "batches", "samplers", "queues", "sync_in_progress", "pending_manual_triggers", "num_syncs", "started_at", "sync_policy_detail", "batch_size", "group_size", "max_inflight_batches", "slots_reissued")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_POLICY_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +402,7 @@ class GetStatusResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_REISSUED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sync_policy: str
     published_version: int
@@ -397,7 +420,8 @@ class GetStatusResponse(_message.Message):
     batch_size: int
     group_size: int
     max_inflight_batches: int
-    def __init__(self, run_id: _Optional[str] = ..., sync_policy: _Optional[str] = ..., published_version: _Optional[int] = ..., trainer_version: _Optional[int] = ..., last_ess_lag: _Optional[float] = ..., last_step: _Optional[_Union[StepReport, _Mapping]] = ..., batches: _Optional[_Union[BatchCounts, _Mapping]] = ..., samplers: _Optional[_Iterable[_Union[SamplerInfo, _Mapping]]] = ..., queues: _Optional[_Union[QueueDepths, _Mapping]] = ..., sync_in_progress: _Optional[_Union[SyncRecord, _Mapping]] = ..., pending_manual_triggers: _Optional[_Iterable[str]] = ..., num_syncs: _Optional[int] = ..., started_at: _Optional[float] = ..., sync_policy_detail: _Optional[str] = ..., batch_size: _Optional[int] = ..., group_size: _Optional[int] = ..., max_inflight_batches: _Optional[int] = ...) -> None: ...
+    slots_reissued: int
+    def __init__(self, run_id: _Optional[str] = ..., sync_policy: _Optional[str] = ..., published_version: _Optional[int] = ..., trainer_version: _Optional[int] = ..., last_ess_lag: _Optional[float] = ..., last_step: _Optional[_Union[StepReport, _Mapping]] = ..., batches: _Optional[_Union[BatchCounts, _Mapping]] = ..., samplers: _Optional[_Iterable[_Union[SamplerInfo, _Mapping]]] = ..., queues: _Optional[_Union[QueueDepths, _Mapping]] = ..., sync_in_progress: _Optional[_Union[SyncRecord, _Mapping]] = ..., pending_manual_triggers: _Optional[_Iterable[str]] = ..., num_syncs: _Optional[int] = ..., started_at: _Optional[float] = ..., sync_policy_detail: _Optional[str] = ..., batch_size: _Optional[int] = ..., group_size: _Optional[int] = ..., max_inflight_batches: _Optional[int] = ..., slots_reissued: _Optional[int] = ...) -> None: ...
 
 class ListSamplersRequest(_message.Message):
     __slots__ = ()

@@ -60,6 +60,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.MarkBatchCompleteRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.MarkBatchCompleteResponse.FromString,
                 _registered_method=True)
+        self.ReportBatchProgress = channel.unary_unary(
+                '/dlc.coordinator.v1.Coordinator/ReportBatchProgress',
+                request_serializer=protos_dot_coordinator__pb2.ReportBatchProgressRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.ReportBatchProgressResponse.FromString,
+                _registered_method=True)
         self.ReportStep = channel.unary_unary(
                 '/dlc.coordinator.v1.Coordinator/ReportStep',
                 request_serializer=protos_dot_coordinator__pb2.ReportStepRequest.SerializeToString,
@@ -143,6 +148,18 @@ class CoordinatorServicer:
     def MarkBatchComplete(self, request, context):
         """Trainer: all B x G rollouts of a planned batch are in (call it before training the batch). This is how
         a batch becomes COMPLETE in the ledger. Idempotent. ReportStep of a batch also marks it complete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportBatchProgress(self, request, context):
+        """Trainer: the slots it holds of the batch it waits on (every few seconds while it waits). When their
+        number has not changed for `coordinator.batch_stall_s`, the coordinator re-issues the missing slots: one
+        more task per group that misses samples, naming only those (`sample_indices`), with the same task id,
+        so that a copy of a slot that arrives after all is a duplicate the trainer drops. Again after each
+        further `batch_stall_s` without progress. Nothing is re-issued while no sampler is live, nor for a batch
+        that is complete or trained.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -241,6 +258,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.MarkBatchComplete,
                     request_deserializer=protos_dot_coordinator__pb2.MarkBatchCompleteRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.MarkBatchCompleteResponse.SerializeToString,
+            ),
+            'ReportBatchProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportBatchProgress,
+                    request_deserializer=protos_dot_coordinator__pb2.ReportBatchProgressRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.ReportBatchProgressResponse.SerializeToString,
             ),
             'ReportStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStep,
@@ -419,6 +441,33 @@ class Coordinator:
             '/dlc.coordinator.v1.Coordinator/MarkBatchComplete',
             protos_dot_coordinator__pb2.MarkBatchCompleteRequest.SerializeToString,
             protos_dot_coordinator__pb2.MarkBatchCompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportBatchProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlc.coordinator.v1.Coordinator/ReportBatchProgress',
+            protos_dot_coordinator__pb2.ReportBatchProgressRequest.SerializeToString,
+            protos_dot_coordinator__pb2.ReportBatchProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

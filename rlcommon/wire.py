@@ -19,12 +19,19 @@ Validation rules beyond types (see `validate`):
 - versions, ids, indices and counts are non-negative ints (bools and floats are rejected) below 2**63;
   top_k >= -1; group_size >= 1; temperature > 0; 0 < top_p <= 1; floats finite; id strings 1..256
   characters; sha256 is 64 lowercase hex characters.
+- a Task's optional `sample_indices` (a msgpack list; absent or empty = all G) ascends strictly and every
+  index is < group_size.
+
+Optional fields (`_OPTIONAL`) are left out of the message when they hold their default, so a message
+that does not use one reads the same to a decoder that does not know it; a decoder fills in the default
+when the field is absent.
 
 Decoded arrays are read-only numpy views of the input bytes (decode copies nothing large).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from dataclasses import dataclass, field
@@ -84,6 +91,14 @@ class Task:
     group_size: int
     payload: dict[str, str | int | float]
     weight_version_hint: int = 0
+    sample_indices: tuple[int, ...] = ()
+    """The samples to generate, ascending; empty = all G. A re-issued task (the coordinator re-issues the
+    slots of a stalled batch) names only the slots that are missing."""
+
+    @property
+    def indices_to_sample(self) -> tuple[int, ...]:
+        """The sample indices this task asks for: `sample_indices`, or 0..G-1 when it is empty."""
+        return self.sample_indices or tuple(range(self.group_size))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -123,7 +138,7 @@ class WeightUpdate:
 Message = Task | Rollout | WeightUpdate
 
 # Field kinds: "id" (short non-empty str), "text" (str), "uint" (int >= 0), "top_k" (int >= -1),
-# "float" (finite), "i4"/"f4" + ndim (arrays), "payload", "timings".
+# "float" (finite), "i4"/"f4" + ndim (arrays), "payload", "timings", "uints" (a list of uint).
 _FIELDS: dict[type, dict[str, tuple[str, int]]] = {
     Task: {
         "task_id": ("id", 0),
@@ -133,6 +148,7 @@ _FIELDS: dict[type, dict[str, tuple[str, int]]] = {
         "group_size": ("uint", 0),
         "payload": ("payload", 0),
         "weight_version_hint": ("uint", 0),
+        "sample_indices": ("uints", 0),
     },
     Rollout: {
         "rollout_id": ("id", 0),
@@ -161,6 +177,8 @@ _FIELDS: dict[type, dict[str, tuple[str, int]]] = {
         "reason": ("text", 0),
     },
 }
+_OPTIONAL: dict[type, dict[str, Any]] = {Task: {"sample_indices": ()}}
+"""Fields that may be absent (-> this default) and are not sent when they hold it."""
 _TYPE_TAGS: dict[type, str] = {Task: "task", Rollout: "rollout", WeightUpdate: "weight_update"}
 _TAG_TYPES: dict[str, type] = {tag: cls for cls, tag in _TYPE_TAGS.items()}
 _ARRAY_KEYS = frozenset(("dtype", "shape", "data"))
@@ -179,8 +197,11 @@ def encode(msg: Message) -> bytes:
     if spec is None:
         raise WireError("type", f"cannot encode {type(msg).__name__}; expected Task, Rollout or WeightUpdate")
     body: dict[str, Any] = {"v": SCHEMA_VERSION, "type": _TYPE_TAGS[type(msg)]}
+    optional = _OPTIONAL.get(type(msg), {})
     for name, (kind, ndim) in spec.items():
-        body[name] = _encode_field(name, getattr(msg, name), kind, ndim)
+        value = _encode_field(name, getattr(msg, name), kind, ndim)
+        if name not in optional or value != _encode_field(name, optional[name], kind, ndim):
+            body[name] = value
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -200,6 +221,10 @@ def _encode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
         if not isinstance(value, str):
             raise WireError(name, f"expected a str, got {type(value).__name__}")
         return value
+    if kind == "uints":
+        if not isinstance(value, list | tuple):
+            raise WireError(name, f"expected a list of ints, got {type(value).__name__}")
+        return [_encode_field(name, item, "uint", 0) for item in value]
     if not isinstance(value, dict):
         raise WireError(name, f"expected a dict, got {type(value).__name__}")
     out: dict[str, Any] = {}
@@ -388,13 +413,15 @@ def _decode_unchecked(data: Any, *, expected: type | None, limits: WireLimits) -
     if expected is not None and cls is not expected:
         raise WireError("type", f"expected a {_TYPE_TAGS[expected]} message, got {tag!r}")
     spec = _FIELDS[cls]
-    missing = [name for name in spec if name not in body]
+    optional = _OPTIONAL.get(cls, {})
+    missing = [name for name in spec if name not in body and name not in optional]
     if missing:
         raise WireError(missing[0], "missing field")
     extra = sorted(str(key) for key in body if key not in spec and key not in ("v", "type"))
     if extra:
         raise WireError(extra[0] or "message", f"unknown field {extra[0]!r} in a {tag} message")
-    return cls(**{name: _decode_field(name, body[name], kind, ndim) for name, (kind, ndim) in spec.items()})
+    return cls(**{name: _decode_field(name, body[name], kind, ndim)
+                  for name, (kind, ndim) in spec.items() if name in body})
 
 
 def _decode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
@@ -410,6 +437,10 @@ def _decode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
         return _check_str(name, value, min_chars=1, max_chars=MAX_ID_CHARS)
     if kind == "text":
         return _check_str(name, value, min_chars=0, max_chars=MAX_TEXT_CHARS)
+    if kind == "uints":
+        if not isinstance(value, list | tuple):
+            raise WireError(name, f"expected a list of ints, got {type(value).__name__}")
+        return tuple(_check_int(name, item, low=0) for item in value)
     if not isinstance(value, dict):
         raise WireError(name, f"expected a map, got {type(value).__name__}")
     if len(value) > MAX_DICT_ITEMS:
@@ -511,6 +542,11 @@ def _check_semantics(msg: Message, limits: WireLimits) -> None:
         _check_ids("prompt_ids", msg.prompt_ids, limits.vocab_size)
         if msg.group_size < 1:
             raise WireError("group_size", f"must be >= 1, got {msg.group_size}")
+        indices = msg.sample_indices
+        if any(b <= a for a, b in itertools.pairwise(indices)):
+            raise WireError("sample_indices", f"must ascend strictly (no repeats), got {list(indices)[:16]}")
+        if indices and indices[-1] >= msg.group_size:
+            raise WireError("sample_indices", f"index {indices[-1]} >= group_size {msg.group_size}")
     else:
         if not msg.path:
             raise WireError("path", "must not be empty")

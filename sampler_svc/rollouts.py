@@ -4,11 +4,14 @@ Each rollout carries exactly the engine's tokens and processed logprobs, the rew
 reward function on the decoded response, and the weight version that generated every one of its tokens.
 The request seed derives from the sampler's base seed and the task id, so a redelivered task is sampled
 with the same seeds, and `rollout_id` names the slot (task, sample index): the trainer keeps one rollout
-per slot however often a task is redelivered.
+per slot however often a task is redelivered or re-issued. A re-issued task (`Task.sample_indices`) asks
+for some samples only: each is generated alone, with the seed it has in the whole group.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -111,10 +114,21 @@ async def generate_rollouts(
 ) -> list[Rollout]:
     """Sample the task's G = group_size responses with one engine request and build their rollouts.
 
-    All G samples come from one weight version (the engine swaps weights only between requests).
+    All G samples come from one weight version (the engine swaps weights only between requests). A task
+    that names its `sample_indices` (re-issued slots) gets one request per index i, seeded `seed + i` as
+    sample i of the whole group is; those samples may come from different versions (each rollout says which).
     """
     seed = task_seed(engine.sampler_cfg.seed, task.task_id)
-    samples = await engine.generate(task.prompt_ids, num_samples=task.group_size, seed=seed)
+    if task.sample_indices:
+        alone = await asyncio.gather(
+            *(engine.generate(task.prompt_ids, num_samples=1, seed=seed + i) for i in task.sample_indices)
+        )
+        samples = [
+            dataclasses.replace(sample, sample_index=i)
+            for i, (sample,) in zip(task.sample_indices, alone, strict=True)
+        ]
+    else:
+        samples = await engine.generate(task.prompt_ids, num_samples=task.group_size, seed=seed)
     sampling = engine.sampling_cfg
     rollouts = build_rollouts(
         task,

@@ -209,6 +209,70 @@ def test_recovery_refuses_a_plan_that_changed():
         restarted.recover()
 
 
+def test_a_write_that_failed_while_running_is_finished_before_the_next_write():
+    writer = ListWriter()
+    planner, saved = make_planner(writer=writer, max_inflight=2)
+    writer.fail_after = 1  # batch 0's write fails after its first task (Redis gone past its budget)
+    with pytest.raises(ConnectionError):
+        planner.plan_ahead()
+    assert planner.plan_ahead() == [1]  # the retry finishes batch 0 first, then plans batch 1
+    assert [t.task_id for t in writer.tasks] == [task_id_of(k, g) for k in range(2) for g in range(B)]
+    assert saved[0].tasks_written and saved[1].tasks_written
+
+
+# ------------------------------------------------------------------------------------------ re-issue
+
+
+def test_reissue_writes_only_the_missing_slots_with_the_plan_s_task_ids():
+    writer = ListWriter()
+    planner, saved = make_planner(writer=writer, max_inflight=2)
+    planner.plan_ahead()
+    first = {t.task_id: t for t in writer.tasks}
+    del writer.tasks[:]
+    missing = [(2, 3), (0, 1), (2, 0), (1, 0), (1, 1), (1, 2), (1, 3)]  # all of group 1, some of 0 and 2
+    tasks = planner.reissue(1, missing)
+    assert tasks == writer.tasks
+    assert [(t.task_id, t.group_id, t.sample_indices) for t in tasks] == [
+        ("b1-g0", 0, (1,)),
+        ("b1-g1", 1, ()),  # the whole group: a plain task, as first written
+        ("b1-g2", 2, (0, 3)),
+    ]
+    for task in tasks:
+        original = first[task.task_id]
+        assert task.batch_id == 1 and task.group_size == G and task.payload == original.payload
+        np.testing.assert_array_equal(task.prompt_ids, original.prompt_ids)
+        wire.validate(task)
+    assert [t.indices_to_sample for t in tasks] == [(1,), (0, 1, 2, 3), (0, 3)]
+    assert (saved[1].num_reissues, saved[1].reissued_slots, saved[1].reissued_at) == (1, 7, 1000.0)
+    planner.reissue(1, [(0, 1)])
+    assert (saved[1].num_reissues, saved[1].reissued_slots) == (2, 8)
+    assert (saved[0].num_reissues, saved[0].reissued_slots) == (0, 0)
+    # The counts survive a restart (the ledger's JSON), and older records without them load as zeros.
+    assert BatchRecord.from_dict(saved[1].to_dict()).reissued_slots == 8
+    old = saved[0].to_dict()
+    for key in ("num_reissues", "reissued_slots", "reissued_at"):
+        del old[key]
+    assert BatchRecord.from_dict(old).num_reissues == 0
+
+
+def test_reissued_tasks_do_not_confuse_the_recovery_of_a_later_batch():
+    writer = ListWriter()
+    planner, saved = make_planner(writer=writer, max_inflight=1)
+    planner.plan_ahead()
+    planner.reissue(0, [(1, 2)])
+    planner.ledger.mark_trained(0, step=0, now=1.0)
+    writer.fail_after = 1  # batch 1's write is cut off after one task
+    with pytest.raises(ConnectionError):
+        planner.plan_ahead()
+    restarted, _ = make_planner(writer=writer, records=list(saved.values()), saved=saved, max_inflight=1)
+    assert restarted.recover() == [1]
+    assert [t.task_id for t in writer.tasks] == [
+        *(task_id_of(0, g) for g in range(B)),
+        "b0-g1",
+        *(task_id_of(1, g) for g in range(B)),
+    ]
+
+
 # --------------------------------------------------------------------------------- with real Redis
 
 

@@ -4,6 +4,7 @@ rollout building, seeds and ids, and version-folder checks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from rlcommon.config import SamplerConfig, SamplingConfig
 from rlcommon.weight_store import publish_version
 from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, Sample, SamplerEngine, _VersionGate
-from sampler_svc.rollouts import build_rollouts, rollout_id, task_seed
+from sampler_svc.rollouts import build_rollouts, generate_rollouts, rollout_id, task_seed
 from sampler_svc.weights import NcclWeightReceiver, WeightsError, check_compatible, load_version
 
 # ------------------------------------------------------------------------------------------ version gate
@@ -215,6 +216,42 @@ def test_build_rollouts_refuses_bad_payload_and_bad_rows():
             top_p=1.0,
             top_k=-1,
         )
+
+
+class ScriptedEngine:
+    """Stands in for SamplerEngine.generate: records each request, answers like vLLM's indices and seeds
+    (sample i of a request seeded s has index i and seed s + i), at the weight version it serves then."""
+
+    def __init__(self) -> None:
+        self.sampler_cfg = SamplerConfig(seed=7)
+        self.sampling_cfg = SamplingConfig()
+        self.weight_version = 4
+        self.requests: list[tuple[int, int]] = []
+
+    async def generate(self, prompt_ids, *, num_samples: int, seed: int) -> list[Sample]:
+        self.requests.append((num_samples, seed))
+        version = self.weight_version
+        self.weight_version += 1  # a reload between requests: each request may see another version
+        samples = []
+        for i in range(num_samples):
+            sample = make_sample(i, "12")
+            samples.append(dataclasses.replace(sample, seed=seed + i, weight_version=version))
+        return samples
+
+
+def test_a_reissued_task_samples_only_its_slots_with_their_group_seeds():
+    engine = ScriptedEngine()
+    base = task_seed(7, "b0-g2")
+    task = dataclasses.replace(make_task(), group_size=4, sample_indices=(1, 3))
+    rollouts = asyncio.run(generate_rollouts(engine, task, sampler_id="s1"))
+    assert sorted(engine.requests) == [(1, base + 1), (1, base + 3)]  # one sample each, seeded as in the group
+    assert [(r.rollout_id, r.sample_index) for r in rollouts] == [("b0-g2:1", 1), ("b0-g2:3", 3)]
+    assert sorted(r.weight_version for r in rollouts) == [4, 5]  # each rollout says its own version
+    # A plain task: one request for the whole group.
+    engine = ScriptedEngine()
+    plain = asyncio.run(generate_rollouts(engine, dataclasses.replace(task, sample_indices=()), sampler_id="s1"))
+    assert engine.requests == [(4, base)]
+    assert [r.sample_index for r in plain] == [0, 1, 2, 3] and {r.weight_version for r in plain} == {4}
 
 
 def test_task_seed_is_deterministic_and_spread():

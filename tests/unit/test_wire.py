@@ -319,6 +319,42 @@ def test_task_rules():
     )
 
 
+def test_task_sample_indices_round_trip_and_are_optional():
+    reissued = make_task(sample_indices=(1, 3))
+    out = decode(encode(reissued), expected=Task)
+    assert out.sample_indices == (1, 3) and out.indices_to_sample == (1, 3)
+    assert wire_dict(reissued)["sample_indices"] == [1, 3]
+    # A plain task does not send the field: a decoder that predates it reads the same message as before...
+    plain = wire_dict(make_task())
+    assert "sample_indices" not in plain
+    # ...and a message without it (an older producer) decodes to "every sample".
+    old = decode(repack(plain), expected=Task)
+    assert old.sample_indices == () and old.indices_to_sample == (0, 1, 2, 3)
+    plain["sample_indices"] = []
+    assert decode(repack(plain), expected=Task).indices_to_sample == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ([2, 1], "ascend strictly"),
+        ([1, 1], "ascend strictly"),
+        ([0, 4], "index 4 >= group_size 4"),
+        ([-1], "out of range"),
+        ([1.0], "expected an int"),
+        ([True], "expected an int"),
+        ("0,1", "expected a list of ints"),
+        ({"0": 1}, "expected a list of ints"),
+    ],
+)
+def test_bad_sample_indices(value, reason):
+    body = wire_dict(make_task())
+    body["sample_indices"] = value
+    assert reason in expect_error(repack(body), "sample_indices").reason
+    with pytest.raises(WireError, match="sample_indices"):
+        validate(make_task(sample_indices=(3, 2)))
+
+
 def test_weight_update_rules():
     expect_error(encode(make_update(sha256="AB" * 32)), "sha256")
     expect_error(encode(make_update(sha256="ab" * 31)), "sha256")

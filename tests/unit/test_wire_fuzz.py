@@ -72,16 +72,23 @@ def rollouts(draw) -> Rollout:
 
 
 payload_values = st.one_of(st.text(max_size=20), st.integers(-(2**63) + 1, 2**63 - 1), finite)
-tasks = st.builds(
-    Task,
-    task_id=ids_text,
-    batch_id=uints,
-    group_id=uints,
-    prompt_ids=st.lists(st.integers(0, 999), min_size=1, max_size=8).map(lambda v: np.array(v, np.int32)),
-    group_size=st.integers(1, 64),
-    payload=st.dictionaries(ids_text, payload_values, max_size=4),
-    weight_version_hint=uints,
-)
+
+
+@st.composite
+def tasks(draw) -> Task:
+    group_size = draw(st.integers(1, 64))
+    return Task(
+        task_id=draw(ids_text),
+        batch_id=draw(uints),
+        group_id=draw(uints),
+        prompt_ids=np.array(draw(st.lists(st.integers(0, 999), min_size=1, max_size=8)), np.int32),
+        group_size=group_size,
+        payload=draw(st.dictionaries(ids_text, payload_values, max_size=4)),
+        weight_version_hint=draw(uints),
+        sample_indices=tuple(sorted(draw(st.sets(st.integers(0, group_size - 1), max_size=4)))),
+    )
+
+
 updates = st.builds(
     WeightUpdate,
     weight_version=uints,
@@ -90,7 +97,7 @@ updates = st.builds(
     step=uints,
     reason=st.text(max_size=20),
 )
-messages = st.one_of(rollouts(), tasks, updates)
+messages = st.one_of(rollouts(), tasks(), updates)
 
 
 def assert_same(a: Message, b: Message) -> None:
@@ -242,6 +249,7 @@ def seeded_valid_messages(rng: random.Random, count: int) -> list[bytes]:
                 prompt_ids=np.array([1, 2, i % 999], np.int32),
                 group_size=4,
                 payload={"answer": str(i), "n": i, "x": 0.5},
+                sample_indices=(i % 4,) if i % 2 else (),
             )
         elif i % 3 == 1:
             msg = Rollout(
