@@ -63,7 +63,9 @@ async def serve(cfg: RunConfig) -> int:
             stack.callback(embedded.stop)
             url = embedded.url
             logger.info(
-                "redis.url not set: started an embedded redis-server at %s (data in %s)", url, data_dir
+                "redis.url not set: started an embedded redis-server at %s (data in %s)",
+                embedded.address,
+                data_dir,
             )
         conn = RedisConnection.from_config(cfg.redis, url=url)
         stack.callback(conn.close)
@@ -94,12 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from coordinator.planner import PlanError
     from coordinator.service import StartupError
-    from rlcommon.bus import BusUnavailableError
+    from rlcommon.bus import BusAuthError, BusUnavailableError
     from rlcommon.embedded_redis import EmbeddedRedisError
 
     try:
         return asyncio.run(serve(cfg))
-    except (StartupError, PlanError, BusUnavailableError, EmbeddedRedisError, OSError, ValueError) as err:
+    except (
+        StartupError, PlanError, BusUnavailableError, BusAuthError, EmbeddedRedisError, OSError, ValueError
+    ) as err:
         print(f"coordinator: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

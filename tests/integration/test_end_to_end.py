@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import redis
 
 from rlcommon.config import RunConfig, load_config
 from rlcommon.launcher import run
@@ -57,7 +58,7 @@ def finished_run(tmp_path_factory):
         ],
     )
     cfg.coordinator.total_batches = STEPS
-    live: dict = {"prometheus": {}}
+    live: dict = {"prometheus": {}, "redis_client_users": set()}
 
     def before_stop(stack):
         live["status"] = dlcctl(stack, "status")
@@ -65,8 +66,11 @@ def finished_run(tmp_path_factory):
         live["samplers"] = dlcctl(stack, "samplers")
         live["syncs"] = dlcctl(stack, "syncs")
         live["prometheus"].update({name: scrape(stack.log_dir / f"{name}.log") for name in ("coordinator", "sampler-0")})
+        live["redis_urls"] = {"admin": stack.redis_url, **{name: spec.env["DLC_REDIS__URL"] for name, spec in stack.specs.items()}}
 
     def on_progress(stack, rows):
+        with redis.Redis.from_url(stack.redis_url) as admin:  # who is logged in to Redis, as which user
+            live["redis_client_users"].update(client["user"] for client in admin.client_list())
         # The trainer exits once done: scrape it while it runs (steps take ~0.3 s; several polls see it).
         if rows and stack.processes["trainer"].poll() is None:
             try:
@@ -150,3 +154,18 @@ def test_every_service_exports_prometheus_metrics(finished_run):
     for name in ("dlc_coordinator_published_version", "dlc_coordinator_batches_trained", "dlc_coordinator_syncs",
                  "dlc_coordinator_samplers_unhealthy"):
         assert name in pages["coordinator"]
+
+
+def test_each_service_used_its_own_redis_user_and_no_password_leaked(finished_run):
+    urls = finished_run["live"]["redis_urls"]
+    parsed = {name: redis.connection.parse_url(url) for name, url in urls.items()}
+    assert {name: p["username"] for name, p in parsed.items()} == {
+        "admin": "admin", "coordinator": "coordinator", "sampler-0": "sampler", "trainer": "trainer"}
+    assert {"coordinator", "sampler", "trainer"} <= finished_run["live"]["redis_client_users"]
+    passwords = {p["password"].encode() for p in parsed.values()}
+    run_dir = finished_run["run_dir"]
+    texts = [path for path in run_dir.rglob("*") if path.is_file() and path.suffix in (".log", ".toml", ".json", ".jsonl", ".acl")]
+    assert run_dir / "config.toml" in texts and run_dir / "redis/users.acl" in texts
+    for path in texts:
+        content = path.read_bytes()
+        assert not any(password in content for password in passwords), f"{path} holds a redis password"

@@ -23,7 +23,8 @@ def test_session_server_answers_with_aof(redis_server, redis_url):
     assert client.config_get("appendonly") == {"appendonly": "yes"}
     assert client.config_get("save") == {"save": ""}
     assert client.config_get("dir")["dir"] == str(redis_server.data_dir)
-    assert redis_server.url == f"redis://127.0.0.1:{redis_server.port}/0"
+    assert redis_server.address == f"redis://127.0.0.1:{redis_server.port}/0"
+    assert redis_server.url.startswith("redis://admin:") and redis_server.url.endswith(f"@127.0.0.1:{redis_server.port}/0")
     client.close()
 
 
@@ -48,8 +49,9 @@ def test_restart_on_same_port_recovers_data(tmp_path):
     assert not server.running
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=port, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)).ping()
+    url = server.url
     with server:
-        assert server.port == port
+        assert server.port == port and server.url == url  # the same passwords: clients reconnect as they were
         client = redis.Redis.from_url(server.url)
         assert [fields for _, fields in client.xrange("s")] == [{b"d": b"payload"}]
         client.close()
@@ -93,6 +95,27 @@ def test_bad_executable_fails_clearly(tmp_path):
     with pytest.raises(EmbeddedRedisError) as info:
         EmbeddedRedis(tmp_path / "d", executable=str(script), start_timeout_s=5).start()
     assert "failed to start" in str(info.value) and "cannot start: broken build" in str(info.value)
+
+
+def test_users_get_their_own_urls_and_anonymous_clients_are_refused(tmp_path):
+    with EmbeddedRedis(tmp_path, users={"reader": ["~r:*", "-@all", "+get"]}) as server:
+        reader = redis.Redis.from_url(server.url_for("reader"))
+        assert reader.get("r:1") is None
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            reader.set("r:1", "x")
+        reader.close()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=server.port, protocol=2, retry=Retry(NoBackoff(), 0)).ping()
+        with pytest.raises(KeyError, match="no redis user 'writer'"):
+            server.url_for("writer")
+    assert server.acl_path.stat().st_mode & 0o777 == 0o600
+
+
+def test_bad_users_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="redis user"):
+        EmbeddedRedis(tmp_path, users={"a b": ["+get"]})
+    with pytest.raises(ValueError, match="redis user"):
+        EmbeddedRedis(tmp_path, users={"reader": ["+get ~*"]})  # one rule per token: no smuggled rules
 
 
 def test_port_before_start_is_an_error(tmp_path):

@@ -1,0 +1,69 @@
+"""Redis users of a run and what each may do: who may write which stream (docs/reliability.md).
+
+| user | keys | may write |
+|---|---|---|
+| `sampler` | tasks, rollouts, deadletter (and their `:counts`) | XADD rollouts and dead letters; XACK/XCLAIM tasks; XTRIM acked rollouts |
+| `trainer` | rollouts, deadletter (and their `:counts`) | XACK/XCLAIM rollouts; XADD dead letters |
+| `coordinator` | every key of the run, `dlc:<run_id>:*` | its state (`coord:*`); XADD/XTRIM tasks |
+| `admin` | every key | everything (operators, the launcher, the tests); only the embedded server has it |
+
+The default user is disabled: a client without credentials gets NOAUTH. Each service user may run only the
+commands the bus and the coordinator's store send (`acl_rules`), on exact keys of its run. Per-key write
+limits use ACL first-argument rules (`+xadd|<key>`: XADD to that key only), which Redis 6.2 and 7 both
+enforce (Redis 7 logs a deprecation warning for each at start-up). The embedded server
+(`EmbeddedRedis(users=service_users(run_id))`) and the redis service of docker-compose.yml apply the same
+rules; tests/unit/test_compose.py checks that they agree.
+"""
+
+from __future__ import annotations
+
+from rlcommon.bus import _counts_key, stream_key
+
+__all__ = ["ADMIN_USER", "SERVICE_USERS", "acl_rules", "service_users"]
+
+ADMIN_USER = "admin"
+SERVICE_USERS = ("coordinator", "trainer", "sampler")
+
+# What every bus client sends: the Lua scripts (EVALSHA; SCRIPT LOAD when Redis does not have them yet).
+_BASE = ("resetchannels", "-@all", "+evalsha", "+script|load")
+# A StreamConsumer's reads and its consumer-group bookkeeping (the acked counters of `<stream>:counts`).
+_CONSUMER = ("+xreadgroup", "+xpending", "+xrange", "+xlen", "+hget", "+hset", "+hincrby", "+xgroup|create")
+# StreamProducer.queue_depth / trim_acked: the snapshot script and XPENDING.
+_DEPTH = ("+exists", "+xrevrange", "+xinfo|groups", "+xlen", "+hget", "+hset", "+hgetall", "+xpending")
+
+
+def _stream_keys(run_id: str, *names: str) -> list[str]:
+    keys = []
+    for name in names:
+        stream = stream_key(run_id, name)
+        keys += [f"~{stream}", f"~{_counts_key(stream)}"]
+    return keys
+
+
+def _unique(tokens: list[str]) -> list[str]:
+    return list(dict.fromkeys(tokens))
+
+
+def acl_rules(user: str, run_id: str) -> list[str]:
+    """ACL rules of service `user` for run `run_id`, one token each (ACL SETUSER syntax, without `on` and
+    the password)."""
+    tasks, rollouts, deadletter = (stream_key(run_id, name) for name in ("tasks", "rollouts", "deadletter"))
+    if user == "sampler":  # consumes tasks, produces rollouts (with backpressure and trimming)
+        keys = _stream_keys(run_id, "tasks", "rollouts", "deadletter")
+        commands = [*_CONSUMER, *_DEPTH, f"+xack|{tasks}", f"+xclaim|{tasks}", f"+xadd|{rollouts}",
+                    f"+xadd|{deadletter}", f"+xtrim|{rollouts}"]
+    elif user == "trainer":  # consumes rollouts
+        keys = _stream_keys(run_id, "rollouts", "deadletter")
+        commands = [*_CONSUMER, f"+xack|{rollouts}", f"+xclaim|{rollouts}", f"+xadd|{deadletter}"]
+    elif user == "coordinator":  # its state (coordinator/state.py), produces tasks, reads the queue depths
+        keys = [f"~dlc:{run_id}:*"]
+        commands = [*_DEPTH, "+ping", "+get", "+set", "+del", "+pexpire", "+pttl", "+hdel", "+hincrby",
+                    "+lrange", "+rpush", "+multi", "+exec", "+xrange", f"+xadd|{tasks}", f"+xtrim|{tasks}"]
+    else:
+        raise ValueError(f"unknown redis user {user!r}: one of {', '.join(SERVICE_USERS)}")
+    return _unique([*keys, *_BASE, *commands])
+
+
+def service_users(run_id: str) -> dict[str, list[str]]:
+    """Every service user's ACL rules for run `run_id` (what `EmbeddedRedis(users=...)` takes)."""
+    return {user: acl_rules(user, run_id) for user in SERVICE_USERS}

@@ -1,0 +1,211 @@
+"""Redis ACLs against a real redis-server (the embedded one, with the run's users): a client without
+credentials is refused, each service user can run its own code paths (the real StreamConsumer /
+StreamProducer / Coordinator) and nothing else, and a bad password fails clearly without echoing it."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from coordinator.service import Coordinator
+from coordinator.state import CoordinatorStore, TasksStream
+from rlcommon import wire
+from rlcommon.bus import (
+    BusAuthError,
+    RedisConnection,
+    StreamConsumer,
+    StreamProducer,
+    redacted_url,
+    stream_key,
+)
+from rlcommon.config import BusConfig, RedisConfig, RunConfig, load_config
+from rlcommon.embedded_redis import EmbeddedRedis
+from rlcommon.redis_acl import SERVICE_USERS, acl_rules, service_users
+from rlcommon.tokenizer import CharTokenizer
+from tests.unit.test_wire import make_rollout
+
+RUN = "acl"
+BUS = BusConfig(run_id=RUN, claim_idle_ms=100, block_ms=20, max_stream_len=100, max_queue_depth=1000)
+TASKS, ROLLOUTS, DEADLETTER = (stream_key(RUN, name) for name in ("tasks", "rollouts", "deadletter"))
+COORD_STATE = f"dlc:{RUN}:coord:state"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with EmbeddedRedis(tmp_path_factory.mktemp("acl-redis"), users=service_users(RUN)) as embedded:
+        yield embedded
+
+
+@pytest.fixture
+def admin(server):
+    client = redis.Redis.from_url(server.url)
+    client.flushdb()
+    client.script_flush()  # each user's code path loads its scripts itself
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def connect(server, admin):
+    opened: list[RedisConnection] = []
+
+    def open_as(user: str) -> RedisConnection:
+        conn = RedisConnection(server.url_for(user), reconnect_max_s=2)
+        opened.append(conn)
+        return conn
+
+    yield open_as
+    for conn in opened:
+        conn.close()
+
+
+def make_task(i: int) -> wire.Task:
+    return wire.Task(task_id=f"t{i}", batch_id=0, group_id=i, prompt_ids=np.array([1, 2, 3], dtype=np.int32),
+                     group_size=2, payload={"answer": str(i)})
+
+
+def refused(conn: RedisConnection, *command) -> str:
+    """The error Redis answers to `command` sent by conn's user (NOPERM, or a script's ACL error)."""
+    with pytest.raises(redis.ResponseError) as info:
+        conn.client.execute_command(*command)
+    text = str(info.value)
+    assert "permission" in text.lower() or "can't run this command" in text, text
+    return text
+
+
+def test_rules_are_per_run_and_refuse_unknown_users():
+    assert acl_rules("sampler", "a") != acl_rules("sampler", "b")
+    assert "~dlc:a:*" in acl_rules("coordinator", "a")
+    assert not any(rule.startswith("~") and "coord" in rule for rule in acl_rules("sampler", "a"))
+    with pytest.raises(ValueError, match="unknown redis user"):
+        acl_rules("admin", "a")
+
+
+def test_a_client_without_credentials_is_refused(server):
+    anonymous = redis.Redis(host=server.host, port=server.port, protocol=2, retry=Retry(NoBackoff(), 0))
+    with pytest.raises(redis.AuthenticationError, match="Authentication required"):
+        anonymous.ping()
+    with pytest.raises(BusAuthError, match="redis.url"):
+        RedisConnection(server.address, reconnect_max_s=1).call(lambda client: client.ping())
+
+
+def test_a_bad_password_names_redis_url_and_does_not_echo_it(server):
+    good = server.url_for("sampler")
+    password = good.split(":")[2].split("@")[0]
+    bad_password = password[::-1]
+    conn = RedisConnection(good.replace(password, bad_password), reconnect_max_s=1)
+    with pytest.raises(BusAuthError) as info:
+        conn.call(lambda client: client.ping())
+    message = str(info.value)
+    assert "redis.url" in message and "'sampler'" in message and "***" in message
+    assert password not in message and bad_password not in message
+    assert redacted_url(good) == f"redis://sampler:***@{server.host}:{server.port}/0"
+    assert redacted_url(server.address) == server.address
+
+
+def test_the_acl_file_is_private_and_holds_no_password(server):
+    assert server.acl_path.stat().st_mode & 0o777 == 0o600
+    text = server.acl_path.read_text()
+    assert "user default off" in text
+    for user in ("admin", *SERVICE_USERS):
+        password = server.url_for(user).split(":")[2].split("@")[0]
+        assert password not in text
+        assert password not in server.log_path.read_text()
+
+
+def test_sampler_and_trainer_users_run_the_bus_code_paths(connect, admin):
+    coordinator, sampler, trainer = connect("coordinator"), connect("sampler"), connect("trainer")
+    tasks = StreamProducer.from_config(coordinator, BUS, "tasks", backpressure=False)
+    tasks.send_many([make_task(i) for i in range(4)])
+    tasks.send_encoded([b"not msgpack"])
+    # Two samplers: s0 takes every task and dies; s1 claims them once idle, dead-letters, rejects, acks.
+    s0 = StreamConsumer.from_config(sampler, BUS, "tasks", group="samplers", consumer="s0", expected=wire.Task)
+    assert len(s0.read(count=10)) == 4  # the invalid task is dead-lettered at once
+    time.sleep(0.15)
+    s1 = StreamConsumer.from_config(sampler, BUS, "tasks", group="samplers", consumer="s1", expected=wire.Task)
+    claimed = s1.read(count=10)
+    assert sorted(d.message.task_id for d in claimed) == ["t0", "t1", "t2", "t3"]
+    s1.reject(claimed[:1], reason="payload cannot be scored")
+    assert tasks.trim() == 1  # t0 (acked by the rejection), up to the oldest pending task
+    producer = StreamProducer.from_config(sampler, BUS, "rollouts")
+    for round_ in range(60):  # past max_stream_len: the producer trims what the trainer acked
+        assert producer.wait_for_room(timeout_s=5)
+        producer.send_many([make_rollout(rollout_id=f"r{round_}-{i}") for i in range(2)])
+        if round_ == 0:
+            reader = StreamConsumer.from_config(trainer, BUS, "rollouts", group="trainer", consumer="t0",
+                                                expected=wire.Rollout)
+        deliveries = reader.read(count=10)
+        reader.reject(deliveries[:1], reason="weight_version 4 was never published")
+        reader.ack([d.entry_id for d in deliveries[1:]])
+    assert s1.ack([d.entry_id for d in claimed[1:]]) == 3
+    assert s1.pending_count() == 0 and reader.pending_count() == 0
+    assert producer.queue_depth() == 0 and admin.xlen(ROLLOUTS) < 120
+    assert admin.xlen(DEADLETTER) == 2 + 60
+
+
+def test_the_coordinator_user_runs_the_coordinator(connect, admin):
+    cfg = load_config(RunConfig, [], {"bus": {"run_id": RUN}, "coordinator": {"batch_size": 2, "group_size": 2}})
+    for attempt in range(2):  # a restarted coordinator resumes its state with the same user
+        coordinator = Coordinator(cfg, conn=connect("coordinator"), encode=CharTokenizer().encode)
+        coordinator.start(lock_wait_s=2)
+        coordinator.register_sampler("s0", weight_version=0)
+        coordinator.trigger_sync(f"test {attempt}")
+        coordinator.tick()
+        status = coordinator.status()
+        coordinator.stop()
+    assert status.run_id == RUN
+    assert admin.xlen(TASKS) >= 2 * cfg.coordinator.max_inflight_batches
+    assert admin.exists(f"dlc:{RUN}:coord:meta", f"dlc:{RUN}:coord:batches", f"dlc:{RUN}:coord:samplers") == 3
+    # Read errors of these are logged and shown as -1 in the status: they must not happen.
+    assert min(status.tasks_queue_depth, status.rollouts_queue_depth, status.deadletter_length) >= 0
+    store = CoordinatorStore(connect("coordinator"), RUN)
+    store.save_values(published=None, last_step=3)  # MULTI, HSET, HDEL, EXEC
+    assert store.load_values()["last_step"] == 3
+    assert store.acquire_lock("tester", ttl_s=5) is None and 0 < store.lock_ttl_s() <= 5
+    stream = TasksStream(StreamProducer.from_config(store._conn, cfg.bus, "tasks", backpressure=False))
+    assert stream.count_after(stream.mark()) == 0 and stream.count_after("0-0") == admin.xlen(TASKS)
+    assert store._conn.call(lambda client: client.ping())
+
+
+def test_the_sampler_user_is_refused_everything_else(connect, admin):
+    sampler = connect("sampler")
+    admin.xadd(ROLLOUTS, {b"d": b"x"})
+    script = sampler.client.script_load("return redis.call('XADD', KEYS[1], '*', 'd', 'forged')")
+    refused(sampler, "XADD", TASKS, "*", "d", "forged")
+    refused(sampler, "EVALSHA", script, 1, TASKS)  # scripts run with the caller's rights
+    refused(sampler, "EVAL", "return 1", 0)
+    refused(sampler, "HSET", COORD_STATE, "published", "{}")
+    refused(sampler, "SET", f"dlc:{RUN}:coord:lock", "me")
+    refused(sampler, "DEL", TASKS)
+    refused(sampler, "XTRIM", TASKS, "MAXLEN", 0)
+    refused(sampler, "XACK", ROLLOUTS, "trainer", "0-1")
+    refused(sampler, "XCLAIM", ROLLOUTS, "trainer", "s0", 0, "0-1")
+    refused(sampler, "XGROUP", "DESTROY", TASKS, "samplers")
+    refused(sampler, "XADD", stream_key("other-run", "rollouts"), "*", "d", "x")
+    for command in (("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "appendonly", "no"),
+                    ("KEYS", "*"), ("ACL", "LIST"), ("SCRIPT", "FLUSH"), ("SHUTDOWN",), ("SWAPDB", 0, 1)):
+        refused(sampler, *command)
+    assert admin.xlen(TASKS) == 0 and admin.exists(COORD_STATE) == 0 and admin.xlen(ROLLOUTS) == 1
+
+
+def test_the_trainer_and_coordinator_users_cannot_forge_what_they_do_not_write(connect, admin):
+    trainer, coordinator = connect("trainer"), connect("coordinator")
+    for conn in (trainer, coordinator):
+        refused(conn, "XADD", ROLLOUTS, "*", "d", "forged")
+        refused(conn, "FLUSHALL")
+        refused(conn, "CONFIG", "GET", "*")
+        refused(conn, "XADD", stream_key("other-run", "tasks"), "*", "d", "x")
+    refused(trainer, "XADD", TASKS, "*", "d", "forged")
+    refused(trainer, "HSET", COORD_STATE, "published", "{}")
+    assert admin.dbsize() == 0
+
+
+def test_redis_connection_from_config_uses_the_url_credentials(server):
+    conn = RedisConnection.from_config(RedisConfig(url=server.url_for("coordinator")))
+    assert conn.call(lambda client: client.ping())
+    conn.close()
