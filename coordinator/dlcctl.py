@@ -10,7 +10,8 @@
 Tables for people; `--json` prints the reply as JSON for scripts (field names as in
 protos/coordinator.proto, enums by name, int64 as numbers). `--address` (env DLC_ADDRESS, default
 127.0.0.1:50051), `--token` (env DLC_TOKEN; needed by `sync` when the coordinator has a token),
-`--tls-ca` (env DLC_TLS_CA: CA or server certificate PEM; enables TLS). Inside a compose service, the
+`--tls-ca` (env DLC_TLS_CA: CA or server certificate PEM; enables TLS), `--tls-server-name` (env
+DLC_TLS_SERVER_NAME: the name to check in the certificate when the address is not in it). Inside a compose service, the
 service's DLC_COORDINATOR__ADDRESS / DLC_COORDINATOR__AUTH_TOKEN serve when those are unset.
 Exit code 1 on an RPC error, 2 on a usage error. Also runnable as `python -m coordinator.dlcctl`.
 """
@@ -29,9 +30,8 @@ from typing import Any, TextIO
 import grpc
 from google.protobuf.message import Message
 
-from coordinator.auth import auth_metadata, open_channel
 from protos import coordinator_pb2 as pb
-from protos import coordinator_pb2_grpc as pb_grpc
+from rlcommon.rpc import CoordinatorClient
 
 __all__ = ["main", "message_to_dict", "build_parser"]
 
@@ -206,6 +206,8 @@ def _format_status(s: pb.GetStatusResponse, now: float) -> str:
             f"dead letters {_depth(s.queues.deadletter)}",
         )
     )
+    if s.slots_reissued:
+        lines.append(("re-issued", f"{s.slots_reissued} slots of stalled batches (see `batches`)"))
     if s.HasField("sync_in_progress"):
         sync = s.sync_in_progress
         waiting = [
@@ -243,6 +245,11 @@ def _format_plan(plan: pb.BatchPlan) -> str:
             else ""
         )
         + f", weight version hint {plan.weight_version_hint}"
+        + (
+            f", stalled: {summary.reissued_slots} slots re-issued in {summary.num_reissues} re-issues"
+            if summary.num_reissues
+            else ""
+        )
     )
     rows = [
         (
@@ -267,12 +274,12 @@ def _format_batches(reply: pb.ListBatchesResponse) -> str:
             _clock(b.complete_at),
             _clock(b.trained_at),
             b.trained_step if b.trained_step >= 0 else "-",
+            b.reissued_slots or "-",
         )
         for b in reply.batches
     ]
-    table = (
-        _table(("BATCH", "STATUS", "PLANNED", "COMPLETE", "TRAINED", "STEP"), rows) if rows else "no batches"
-    )
+    headers = ("BATCH", "STATUS", "PLANNED", "COMPLETE", "TRAINED", "STEP", "REISSUED")
+    table = _table(headers, rows) if rows else "no batches"
     return f"batches: {_counts_line(reply.counts)}\n\n{table}"
 
 
@@ -290,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--token", default=argparse.SUPPRESS, help="shared token (env DLC_TOKEN)")
     common.add_argument(
         "--tls-ca", default=argparse.SUPPRESS, help="CA / server certificate PEM: use TLS (env DLC_TLS_CA)"
+    )
+    common.add_argument(
+        "--tls-server-name", default=argparse.SUPPRESS,
+        help="name to verify in the server certificate (env DLC_TLS_SERVER_NAME)",
     )
     common.add_argument(
         "--timeout", type=float, default=argparse.SUPPRESS, help="seconds per call (default 10)"
@@ -327,26 +338,22 @@ def _env(*names: str) -> str | None:
 _BATCH_STATUS = {"planned": pb.BATCH_PLANNED, "complete": pb.BATCH_COMPLETE, "trained": pb.BATCH_TRAINED}
 
 
-def _call(args: argparse.Namespace, stub: pb_grpc.CoordinatorStub) -> Message:
-    """The RPC of the command; its reply."""
-    timeout = getattr(args, "timeout", 10.0)
+def _request(args: argparse.Namespace) -> tuple[str, Message]:
+    """The RPC of the command and its request."""
     command = args.command
     if command == "status":
-        return stub.GetStatus(pb.GetStatusRequest(), timeout=timeout)
+        return "GetStatus", pb.GetStatusRequest()
     if command == "samplers":
-        return stub.ListSamplers(pb.ListSamplersRequest(), timeout=timeout)
+        return "ListSamplers", pb.ListSamplersRequest()
     if command == "syncs":
-        return stub.ListSyncs(pb.ListSyncsRequest(limit=args.limit), timeout=timeout)
+        return "ListSyncs", pb.ListSyncsRequest(limit=args.limit)
     if command == "plan":
-        return stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=args.batch_id), timeout=timeout)
+        return "GetBatchPlan", pb.GetBatchPlanRequest(batch_id=args.batch_id)
     if command == "batches":
         status = _BATCH_STATUS.get(args.status, pb.BATCH_STATUS_UNSPECIFIED)
-        request = pb.ListBatchesRequest(status=status, start_batch_id=args.start, limit=args.limit)
-        return stub.ListBatches(request, timeout=timeout)
+        return "ListBatches", pb.ListBatchesRequest(status=status, start_batch_id=args.start, limit=args.limit)
     if command == "sync":
-        token = getattr(args, "token", None) or _env("DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN")
-        request = pb.TriggerSyncRequest(reason=args.reason)
-        return stub.TriggerSync(request, timeout=timeout, metadata=auth_metadata(token))
+        return "TriggerSync", pb.TriggerSyncRequest(reason=args.reason)
     raise AssertionError(command)  # argparse restricts the choices
 
 
@@ -372,8 +379,10 @@ def _format(args: argparse.Namespace, reply: Any, now: float) -> str:
     raise AssertionError(command)
 
 
-def _run(args: argparse.Namespace, stub: pb_grpc.CoordinatorStub, out: TextIO) -> None:
-    reply = _call(args, stub)
+def _run(args: argparse.Namespace, client: CoordinatorClient, out: TextIO) -> None:
+    method, request = _request(args)
+    # A command line fails fast (no waiting for the coordinator, no second try): the person decides.
+    reply = client.call(method, request, timeout_s=getattr(args, "timeout", 10.0), retry=False)
     if getattr(args, "json", False):
         json.dump(message_to_dict(reply), out, indent=2)
         out.write("\n")
@@ -393,19 +402,25 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
         getattr(args, "address", None) or _env("DLC_ADDRESS", "DLC_COORDINATOR__ADDRESS") or DEFAULT_ADDRESS
     )
     tls_ca = getattr(args, "tls_ca", None) or os.environ.get("DLC_TLS_CA") or None
+    tls_server_name = getattr(args, "tls_server_name", None) or os.environ.get("DLC_TLS_SERVER_NAME") or None
+    token = getattr(args, "token", None) or _env("DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN")
     try:
-        channel = open_channel(address, tls_ca=tls_ca)
+        client = CoordinatorClient(
+            address, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name, wait_for_ready=False
+        )
     except ValueError as error:
         err.write(f"dlcctl: error: {error}\n")
         return 2
-    with channel:
+    with client:
         try:
-            _run(args, pb_grpc.CoordinatorStub(channel), out)
+            _run(args, client, out)
         except grpc.RpcError as error:
             code = error.code()
             detail = error.details() or ""
             if code == grpc.StatusCode.UNAVAILABLE:
                 detail = f"cannot reach the coordinator at {address} ({detail})"
+            elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                detail = f"cannot reach the coordinator at {address} (no answer within {getattr(args, 'timeout', 10.0):g} s)"
             elif code == grpc.StatusCode.UNAUTHENTICATED:
                 detail += "; pass --token or set DLC_TOKEN"
             err.write(f"dlcctl: error: {code.name}: {detail}\n")

@@ -14,10 +14,11 @@ serve until a signal, see `__main__`), `await stop()`.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -47,6 +48,7 @@ STATE_CHANGING_METHODS = frozenset(
         "AckWeightVersion",
         "Heartbeat",
         "MarkBatchComplete",
+        "ReportBatchProgress",
         "ReportStep",
         "AnnouncePublished",
         "TriggerSync",
@@ -163,6 +165,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return pb.MarkBatchCompleteResponse(batch=convert.batch_summary_pb(record))
 
+    async def ReportBatchProgress(
+        self, request: pb.ReportBatchProgressRequest, context
+    ) -> pb.ReportBatchProgressResponse:
+        answer = await self._call(
+            context, self._core.report_batch_progress, request.batch_id, filled_slots=list(request.filled_slots)
+        )
+        group_size = answer.record.group_size
+        return pb.ReportBatchProgressResponse(
+            reissued_slots=[group_id * group_size + sample for group_id, sample in answer.reissued_slots],
+            stalled_s=answer.stalled_s,
+            batch=convert.batch_summary_pb(answer.record),
+        )
+
     async def ReportStep(self, request: pb.ReportStepRequest, context) -> pb.ReportStepResponse:
         answer = await self._call(
             context,
@@ -259,6 +274,16 @@ class _CoordinatorThread:
                 future.set_exception(err)
 
 
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1); False for 0.0.0.0, :: and names."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class CoordinatorServer:
     """Serves one `Coordinator` over gRPC, with health, reflection, optional token auth and TLS."""
 
@@ -270,8 +295,11 @@ class CoordinatorServer:
         host: str | None = None,
         port: int | None = None,
         metrics: Any | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self.cfg = cfg
+        self._extra_interceptors = list(interceptors)
+        """Run after the token check (tracing, fault injection in tests)."""
         self.coordinator = coordinator
         self.host = cfg.coordinator.host if host is None else host
         self._requested_port = cfg.coordinator.port if port is None else port
@@ -301,8 +329,16 @@ class CoordinatorServer:
             self._worker.submit(fn, *args)
 
     async def start(self) -> None:
-        """Load the coordinator's state, bind the port, start serving (health: SERVING)."""
+        """Load the coordinator's state, bind the port, start serving (health: SERVING). Refuses (ValueError)
+        to listen beyond this machine without coordinator.auth_token."""
         ccfg = self.cfg.coordinator
+        if not ccfg.auth_token and not is_loopback(self.host):
+            raise ValueError(
+                f"coordinator.host = {self.host!r} listens beyond this machine, and without "
+                "coordinator.auth_token anyone who reaches the port could report steps, publish weights and "
+                "trigger syncs: set coordinator.auth_token (DLC_COORDINATOR__AUTH_TOKEN; compose: DLC_TOKEN), "
+                "or coordinator.host = 127.0.0.1"
+            )
         self._worker = _CoordinatorThread()
         await self.run(self.coordinator.start)
         try:
@@ -328,6 +364,7 @@ class CoordinatorServer:
 
     async def _start_grpc(self, token: str | None, tls_cert: str | None, tls_key: str | None) -> None:
         interceptors = [auth.TokenAuthInterceptor(token, STATE_CHANGING_METHODS)] if token else []
+        interceptors += self._extra_interceptors
         # No SO_REUSEPORT: a second coordinator on a busy port must fail, not share the port's traffic.
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         servicer = CoordinatorServicer(
@@ -385,6 +422,7 @@ class CoordinatorServer:
             "tasks_queue_depth": status.tasks_queue_depth,
             "rollouts_queue_depth": status.rollouts_queue_depth,
             "dead_letters": status.deadletter_length,
+            "slots_reissued": status.slots_reissued,
         }
         if status.last_ess_lag is not None:
             gauges["last_ess_lag"] = status.last_ess_lag

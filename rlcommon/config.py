@@ -48,7 +48,8 @@ class StrictModel(BaseModel):
 
 class RedisConfig(StrictModel):
     url: str | None = None
-    """redis://host:port/db of an existing server; None starts an embedded redis-server (local launcher)."""
+    """redis://user:password@host:port/db of an existing server, as this service's ACL user (coordinator,
+    trainer, sampler: rlcommon/redis_acl.py); None starts an embedded redis-server (local launcher)."""
     data_dir: str | None = None
     """Folder for the embedded server's append-only file; default `<run_dir>/redis`."""
     connect_timeout_s: float = Field(5.0, gt=0)
@@ -244,12 +245,18 @@ class CoordinatorConfig(StrictModel):
     """A sampler that does not ack a weight update within this is marked unhealthy."""
     sampler_heartbeat_timeout_s: float = Field(30.0, gt=0)
     """A sampler with no heartbeat for this long is not live."""
+    batch_stall_s: float = Field(120.0, gt=0)
+    """Re-issue the missing slots of the batch the trainer waits on once its slots stop filling this long."""
     auth_token: str | None = None
     """Shared token required (metadata `authorization: Bearer <token>`) on state-changing calls."""
     tls_cert: str | None = None
     """PEM certificate for TLS (with tls_key)."""
     tls_key: str | None = None
     """PEM private key for TLS."""
+    tls_ca: str | None = None
+    """Clients: PEM of the CA that signed the coordinator's certificate (or that certificate); dial TLS."""
+    tls_server_name: str | None = None
+    """Clients: the name checked against the certificate when the dialed address is not in it."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port (None = off, 0 = pick a free one)."""
 
@@ -275,6 +282,9 @@ class RunConfig(StrictModel):
     """Trainer steps (batches) of the run."""
     num_samplers: int = Field(1, ge=1)
     """Sampler processes the local launcher starts."""
+    max_restarts: int = Field(3, ge=0)
+    """Times the local launcher restarts each crashed service (compose's `restart: on-failure`) before it
+    stops the run; 0 stops the run at the first crash."""
     redis: RedisConfig = Field(default_factory=RedisConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
     wire: WireLimits = Field(default_factory=WireLimits)

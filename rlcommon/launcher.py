@@ -6,8 +6,15 @@
 Builds the model if missing, starts its own redis-server (unless `redis.url` is set), then the
 coordinator, `num_samplers` samplers and the trainer as processes, each logging to `<run_dir>/logs/`.
 Shows a progress bar until the trainer has trained `steps` batches, then writes `summary.json` and the
-plots, and stops everything. Ctrl-C, or any service dying, stops the rest and says which one and where
-its log is.
+plots, and stops everything. Ctrl-C stops every service; starting again with the same `--run-dir` resumes
+the run (Redis's append-only file, the coordinator's state, the trainer's checkpoint).
+
+A service that crashes is restarted as docker compose's `restart:` would (`RESTART_POLICY`, from
+docker-compose.yml): a sampler or the trainer on a non-zero exit (or a signal), the coordinator on any
+exit (it waits for SERVING again), each at most `max_restarts` times, after a short backoff; a line in the
+progress output says which one, its exit code and where its log is. A service left stopped (past the
+bound, or one that exits 0 before the trainer has trained every step) stops the rest, saying which one
+and where its log is.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 
 from rlcommon.config import ConfigError, RunConfig, dump_toml, load_config
 from rlcommon.metrics import read_jsonl
+from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
 REPO = Path(__file__).resolve().parents[1]
@@ -61,8 +69,12 @@ def service_specs(
     redis_url: str,
     model_dir: str,
     coordinator_port: int,
+    redis_urls: dict[str, str] | None = None,
 ) -> list[ServiceSpec]:
-    """The coordinator, the samplers and the trainer, with the variables docker-compose.yml sets."""
+    """The coordinator, the samplers and the trainer, with the variables docker-compose.yml sets.
+
+    redis_urls: each service's own URL by Redis user (`coordinator`, `sampler`, `trainer`: the embedded
+    server's `url_for`, rlcommon/redis_acl.py); a service without one gets redis_url."""
     common = {
         "DLC_REDIS__URL": redis_url,
         "DLC_RUN_DIR": str(Path(cfg.run_dir).resolve()),
@@ -103,6 +115,9 @@ def service_specs(
             {**common, **client, "DLC_TRAINER__DEVICE": cfg.trainer.device, "DLC_TRAINER__METRICS_PORT": "0"},
         )
     )
+    redis_user = {"coordinator": "coordinator", "sampler_svc": "sampler", "trainer_svc": "trainer"}
+    for spec in specs:
+        spec.env["DLC_REDIS__URL"] = (redis_urls or {}).get(redis_user[spec.module], redis_url)
     return specs
 
 
@@ -146,37 +161,54 @@ class ServiceDied(RuntimeError):
     pass
 
 
-def wait_for_coordinator(address: str, *, timeout_s: float, watch: list[ServiceProcess]) -> None:
-    """Block until the coordinator's gRPC health check answers SERVING."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+RESTART_POLICY = {"coordinator": "unless-stopped", "sampler_svc": "on-failure", "trainer_svc": "on-failure"}
+"""compose's `restart:` of each service's module (docker-compose.yml; a test checks that they agree)."""
+RESTART_BACKOFF_S = 0.5
+"""Wait before a service's first restart; doubled for each further one, up to RESTART_BACKOFF_MAX_S."""
+RESTART_BACKOFF_MAX_S = 8.0
 
+
+def restart_delay(exit_code: int, *, restart_policy: str, restarts: int, max_restarts: int) -> float | None:
+    """What compose's `restart_policy` does with a service that exited with `exit_code` (negative: killed by
+    that signal) after `restarts` restarts: the seconds to wait before starting it again, or None to leave it
+    stopped. `on-failure` restarts non-zero exits only, `unless-stopped` any exit; neither past
+    `max_restarts`."""
+    if exit_code == 0 and restart_policy == "on-failure":
+        return None
+    if restarts >= max_restarts:
+        return None
+    return min(RESTART_BACKOFF_S * 2**restarts, RESTART_BACKOFF_MAX_S)
+
+
+def service_died(proc: ServiceProcess, code: int, why: str = "") -> ServiceDied:
+    return ServiceDied(
+        f"service '{proc.spec.name}' exited with code {code}{why}; its log: {proc.log_path}\n"
+        f"--- last lines ---\n{proc.log_tail()}"
+    )
+
+
+def wait_for_coordinator(client: CoordinatorClient, *, timeout_s: float, watch: list[ServiceProcess]) -> None:
+    """Block until the coordinator's gRPC health check answers SERVING."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         check_alive(watch)
-        try:
-            with grpc.insecure_channel(address) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-        except grpc.RpcError:
-            pass
+        if client.serving():
+            return
         time.sleep(0.3)
-    raise TimeoutError(f"coordinator at {address} did not become healthy within {timeout_s:.0f} s")
+    raise TimeoutError(f"coordinator at {client.address} did not become healthy within {timeout_s:.0f} s")
 
 
 def check_alive(processes: list[ServiceProcess]) -> None:
     for proc in processes:
         code = proc.poll()
         if code is not None:
-            raise ServiceDied(
-                f"service '{proc.spec.name}' exited with code {code}; its log: {proc.log_path}\n"
-                f"--- last lines ---\n{proc.log_tail()}"
-            )
+            raise service_died(proc, code)
 
 
-def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: dict[str, Any], trainer_state: dict[str, Any]) -> dict[str, Any]:
-    """summary.json from the trainer's metrics, the coordinator's sync history and the trainer's counters."""
+def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: dict[str, Any], trainer_state: dict[str, Any],
+                  restarts: dict[str, int] | None = None) -> dict[str, Any]:
+    """summary.json from the trainer's metrics, the coordinator's sync history, the trainer's counters and
+    the launcher's restarts (`{"sampler-0": 1}`: only the services it restarted, `{}` when none)."""
 
     def mean_reward(chunk: list[dict[str, Any]]) -> float | None:
         values = [r["reward_mean"] for r in chunk if isinstance(r.get("reward_mean"), int | float)]
@@ -195,6 +227,7 @@ def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: di
         "dead_letters": coordinator.get("dead_letters", 0),
         "duplicates_dropped": trainer_state.get("duplicates_dropped", 0),
         "skipped_batches": trainer_state.get("skipped_batches", 0),
+        "restarts": dict(restarts or {}),
         "wall_seconds": coordinator.get("wall_seconds"),
     }
 
@@ -211,17 +244,12 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     return cfg, args
 
 
-def coordinator_snapshot(address: str) -> dict[str, Any]:
+def coordinator_snapshot(client: CoordinatorClient) -> dict[str, Any]:
     """Current version, sync history (oldest first) and status of the live coordinator."""
-    import grpc
-
     from protos import coordinator_pb2 as pb
-    from protos import coordinator_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.CoordinatorStub(channel)
-        status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
-        syncs = stub.ListSyncs(pb.ListSyncsRequest(limit=10_000), timeout=10).syncs
+    status = client.call("GetStatus", pb.GetStatusRequest(), timeout_s=10)
+    syncs = client.call("ListSyncs", pb.ListSyncsRequest(limit=10_000), timeout_s=10).syncs
     return {
         "current_version": status.published_version,
         "num_syncs": status.num_syncs,
@@ -283,6 +311,13 @@ class Progress:
         self.seen = len(rows)
         return rows
 
+    def write(self, line: str) -> None:
+        """A line in the progress output (above the bar when there is one)."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -304,12 +339,17 @@ class LocalStack:
         self.redis_url = cfg.redis.url
         self.port = cfg.coordinator.port if cfg.coordinator.port not in (0, 50051) else free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.client = CoordinatorClient.from_config(cfg.coordinator, address=self.address)
+        """The launcher's own client of the coordinator (health, summary); tests use it too."""
         self.specs: dict[str, ServiceSpec] = {}
+        self.restarts: dict[str, int] = {}
+        """Restarts of each service by `restart_exited` (only the services restarted)."""
 
     def start(self, *, hold: tuple[str, ...] = ()) -> LocalStack:
         """Start redis-server (if embedded), the coordinator (waiting until it serves), then every other
         service except those in `hold` (a test starts them later with `start_service`)."""
         from rlcommon.embedded_redis import EmbeddedRedis
+        from rlcommon.redis_acl import SERVICE_USERS, service_users
         from rlcommon.tiny_model import resolve_model
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -317,15 +357,18 @@ class LocalStack:
         model_dir = resolve_model(self.cfg.model, self.cfg.task)
         config_path = self.run_dir / "config.toml"
         config_path.write_text(dump_toml(self.cfg))
-        if self.redis_url is None:
+        redis_urls = None
+        if self.redis_url is None:  # each service logs in as its own user (rlcommon/redis_acl.py)
             self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis",
-                                              appendfsync=self.cfg.redis.appendfsync).start()
-            self.redis_url = self.redis_server.url
+                                              appendfsync=self.cfg.redis.appendfsync,
+                                              users=service_users(self.cfg.bus.run_id)).start()
+            self.redis_url = self.redis_server.url  # admin: the launcher's and the tests' own reads
+            redis_urls = {user: self.redis_server.url_for(user) for user in SERVICE_USERS}
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
-                              model_dir=str(model_dir), coordinator_port=self.port)
+                              model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls)
         self.specs = {spec.name: spec for spec in specs}
         self.start_service("coordinator")
-        wait_for_coordinator(self.address, timeout_s=120, watch=list(self.processes.values()))
+        wait_for_coordinator(self.client, timeout_s=120, watch=list(self.processes.values()))
         for name in self.specs:
             if name != "coordinator" and name not in hold:
                 self.start_service(name)
@@ -367,15 +410,46 @@ class LocalStack:
             self.processes.pop(name).stop()
         proc = self.start_service(name)
         if name == "coordinator":
-            wait_for_coordinator(self.address, timeout_s=120, watch=[proc])
+            wait_for_coordinator(self.client, timeout_s=120, watch=[proc])
         return proc
 
     def check_alive(self) -> None:
         check_alive(list(self.processes.values()))
 
+    def restart_exited(self, *, max_restarts: int, report: Callable[[str], None] = print) -> list[str]:
+        """Start again each service that has exited, as compose's `restart:` would (`restart_delay`), and
+        `report` it. Returns the services that exited with code 0 and that `on-failure` leaves stopped (the
+        trainer once it is done); raises ServiceDied for one that exited once too often. A restarted
+        coordinator is waited for until it serves (one that dies while starting is seen at the next call)."""
+        stopped = []
+        for name, proc in list(self.processes.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            restarts = self.restarts.get(name, 0)
+            policy = RESTART_POLICY[proc.spec.module]
+            delay = restart_delay(code, restart_policy=policy, restarts=restarts, max_restarts=max_restarts)
+            if delay is None:
+                if code == 0 and policy == "on-failure":
+                    stopped.append(name)
+                    continue
+                raise service_died(proc, code, f" after {restarts} restarts (max_restarts = {max_restarts})")
+            self.restarts[name] = restarts + 1
+            report(f"{name} exited with code {code}; restarting ({restarts + 1} of {max_restarts}); "
+                   f"log: {proc.log_path}")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.process.pid, signal.SIGKILL)  # what is left of its group (an engine child)
+            time.sleep(delay)
+            try:
+                self.restart(name)
+            except ServiceDied:
+                pass  # the coordinator died again while starting: the next call applies the policy to it
+        return stopped
+
     def stop(self) -> None:
         for name in reversed(list(self.processes)):
             self.processes.pop(name).stop()
+        self.client.close()
         if self.redis_server is not None:
             self.redis_server.stop()
 
@@ -403,13 +477,17 @@ def run(
             rows = progress.update()
             if on_progress is not None:
                 on_progress(stack, rows)
-            trainer = stack.processes["trainer"]
-            if trainer.poll() == 0 and len(rows) >= cfg.steps:
-                break
-            stack.check_alive()
+            stopped = stack.restart_exited(max_restarts=cfg.max_restarts, report=progress.write)
+            if stopped == ["trainer"]:
+                rows = progress.update()  # its last rows may have landed after the read above
+                if len(rows) >= cfg.steps:
+                    break
+            if stopped:
+                raise service_died(stack.processes[stopped[0]], 0, f" with {len(rows)} of {cfg.steps} steps "
+                                   "trained; a clean exit is not restarted (compose's `restart: on-failure`)")
             time.sleep(0.5)
         rows = progress.update()
-        snapshot = coordinator_snapshot(stack.address)
+        snapshot = coordinator_snapshot(stack.client)
         snapshot["dead_letters"] = dead_letter_count(stack.redis_url, cfg.bus.run_id)
         if before_stop is not None:
             before_stop(stack)
@@ -419,7 +497,8 @@ def run(
     snapshot["wall_seconds"] = round(time.monotonic() - started, 1)
     trainer_state_path = stack.run_dir / "trainer_state.json"
     trainer_state = json.loads(trainer_state_path.read_text()) if trainer_state_path.exists() else {}
-    summary = build_summary(cfg=cfg, rows=rows, coordinator=snapshot, trainer_state=trainer_state)
+    summary = build_summary(cfg=cfg, rows=rows, coordinator=snapshot, trainer_state=trainer_state,
+                            restarts=stack.restarts)
     (stack.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plots = plot_run(rows=rows, syncs=summary["syncs"], out_dir=stack.run_dir / "plots",
                      ess_threshold=cfg.coordinator.ess_threshold)

@@ -3,6 +3,7 @@ to the coordinator, publishes weights when asked, checkpoints, and acks only wha
 
     start()  model (or the latest checkpoint), stream consumer, coordinator channel, metrics
     run()    until `steps` batches are trained: read -> buffer by batch -> train the next complete batch
+             (while it waits, it reports the slots it holds: the coordinator re-issues those of a stalled batch)
     stop()   final checkpoint and state file
 
 After a crash the trainer resumes from its latest checkpoint and replays what came after it: its own
@@ -24,16 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
-from coordinator.auth import auth_metadata, open_channel
 from coordinator.planner import task_id_of
 from protos import coordinator_pb2 as pb
-from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon.bus import Delivery, RedisConnection, StreamConsumer
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
-from rlcommon.rpc import call_with_retry
+from rlcommon.rpc import CoordinatorClient
 from rlcommon.tiny_model import resolve_model
 from rlcommon.tokenizer import load_tokenizer
 from rlcommon.weight_store import (
@@ -81,6 +81,9 @@ class TrainerService:
         self.planned_batches = 0
         """Batches the coordinator has planned (ahead of next_batch_id + max_inflight_batches while replaying)."""
         self._next_status_check_s = 0.0
+        self._next_progress_report_s = 0.0
+        self.progress_interval_s = min(5.0, max(0.05, cfg.coordinator.batch_stall_s / 4))
+        """How often the trainer reports the slots it holds of the batch it waits on."""
         self.release_after: dict[int, int] = {}
         """weight version -> last batch id that may hold its rollouts (set once no live sampler serves it)."""
         self._stopping = False
@@ -116,9 +119,7 @@ class TrainerService:
             self.conn, cfg.bus, "rollouts", group=ROLLOUTS_GROUP, consumer=f"trainer-{socket.gethostname()}",
             expected=Rollout, limits=cfg.wire,
         )
-        self.channel = open_channel(cfg.coordinator.dial_address)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
-        self.metadata = auth_metadata(cfg.coordinator.auth_token)
+        self.coordinator = CoordinatorClient.from_config(cfg.coordinator)
         self.refresh_status()
         start_metrics_server(cfg.trainer.metrics_port)
         metrics_path = self.run_dir / "metrics.jsonl"
@@ -133,7 +134,7 @@ class TrainerService:
         self._stopping = True
         self.write_state()
         self.metrics.close()
-        self.channel.close()
+        self.coordinator.close()
         self.conn.close()
 
     # ------------------------------------------------------------------------------------------ main loop
@@ -146,8 +147,30 @@ class TrainerService:
                 self.train_batch(self.next_batch_id)
                 continue
             self.metrics.gauge("rollout_queue_depth", self.consumer.pending_count())
+            self.report_progress()
             self.accept(self.consumer.read(count=4 * self.samples_per_batch))
         logger.info("done: %d steps trained", self.train_step.step)
+
+    def report_progress(self) -> None:
+        """Tell the coordinator which slots of the batch it waits on are filled (every `progress_interval_s`).
+        A rollout lost after its task was acked would leave the batch incomplete forever: the coordinator
+        re-issues the missing slots once the batch stalls. Best effort: a failed report is only logged."""
+        now = time.monotonic()
+        if now < self._next_progress_report_s or self.next_batch_id >= self.planned_batches:
+            return
+        self._next_progress_report_s = now + self.progress_interval_s
+        buffer = self.buffers.get(self.next_batch_id)
+        filled = sorted(g * self.group_size + s for g, s in buffer.rollouts) if buffer is not None else []
+        request = pb.ReportBatchProgressRequest(batch_id=self.next_batch_id, filled_slots=filled)
+        try:
+            reply = self.coordinator.call("ReportBatchProgress", request, timeout_s=10, retry=False)
+        except grpc.RpcError as err:
+            logger.warning("ReportBatchProgress failed (retried in %.1f s): %s", self.progress_interval_s,
+                           err.details() if hasattr(err, "details") else err)
+            return
+        if reply.reissued_slots:
+            logger.warning("batch %d: %d of %d slots filled and no progress: the coordinator re-issued %d slots",
+                           self.next_batch_id, len(filled), self.samples_per_batch, len(reply.reissued_slots))
 
     def accept(self, deliveries: list[Delivery]) -> None:
         """Buffer valid rollouts of planned batches (one per slot); drop duplicates; dead-letter what cannot
@@ -225,9 +248,6 @@ class TrainerService:
             synced = self.publish(reply.next_weight_version, step=step, reason=reply.reason)
         self.next_batch_id = batch_id + 1
         self.unacked_entry_ids.extend(buffer.entry_ids)
-        if self.train_step.step % self.cfg.trainer.checkpoint_every == 0 or self.train_step.step >= self.cfg.steps:
-            self.checkpoint()
-        self.release_old_versions()
         record = {
             "batch_id": batch_id,
             **result.metrics,
@@ -236,12 +256,17 @@ class TrainerService:
             "published_version": synced,
             "skip_reason": result.skip_reason or "",
         }
+        # The row before the checkpoint that covers its step: a crash after the checkpoint must not lose it (a
+        # crash before it replays the step, and metrics.jsonl is cut back to the checkpoint on resume).
         self.metrics.log(step, record)
         logger.info(
             "step %d batch %d reward %.3f ess_lag %.3f version %d%s",
             step, batch_id, result.metrics.get("reward_mean", float("nan")), result.metrics.get("ess_lag", float("nan")),
             self.train_step.weight_version, f" -> published v{synced} ({reply.reason})" if synced is not None else "",
         )
+        if self.train_step.step % self.cfg.trainer.checkpoint_every == 0 or self.train_step.step >= self.cfg.steps:
+            self.checkpoint()
+        self.release_old_versions()
 
     def publish(self, weight_version: int, *, step: int, reason: str) -> int:
         folder = version_folder(self.cfg.publish_dir, weight_version)
@@ -349,8 +374,7 @@ class TrainerService:
         os.replace(tmp, path)
 
     def rpc(self, method: str, request: Any) -> Any:
-        fn = getattr(self.stub, method)
-        return call_with_retry(lambda: fn(request, metadata=self.metadata, timeout=30), what=method)
+        return self.coordinator.call(method, request)
 
 
 def truncate_metrics(path: Path, *, before_step: int) -> int:

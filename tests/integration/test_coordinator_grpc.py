@@ -11,6 +11,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon import wire
 from rlcommon.bus import RedisConnection, stream_key
 from rlcommon.config import RunConfig, load_config
+from rlcommon.rpc import AsyncCoordinatorClient, CoordinatorClient
 from rlcommon.tokenizer import CharTokenizer
 
 B, G = 2, 2
@@ -46,14 +48,14 @@ def make_config(**coordinator: object) -> RunConfig:
 class Harness:
     """A CoordinatorServer on its own event-loop thread, plus a blocking channel and stub to it."""
 
-    def __init__(self, cfg: RunConfig, redis_url: str) -> None:
+    def __init__(self, cfg: RunConfig, redis_url: str, *, port: int = 0, interceptors=()) -> None:
         self.cfg = cfg
         self.conn = RedisConnection(redis_url, reconnect_max_s=2.0)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.coordinator = Coordinator(cfg, conn=self.conn, encode=CharTokenizer().encode)
-        self.server = CoordinatorServer(cfg, self.coordinator, host="127.0.0.1", port=0)
+        self.server = CoordinatorServer(cfg, self.coordinator, host="127.0.0.1", port=port, interceptors=interceptors)
         self._await(self.server.start())
         self.address = self.server.address
         self.channel = self._channel()
@@ -82,8 +84,8 @@ class Harness:
 def start_server(redis_url):
     started: list[Harness] = []
 
-    def start(**coordinator: object) -> Harness:
-        harness = Harness(make_config(**coordinator), redis_url)
+    def start(*, _port: int = 0, _interceptors=(), **coordinator: object) -> Harness:
+        harness = Harness(make_config(**coordinator), redis_url, port=_port, interceptors=_interceptors)
         started.append(harness)
         return harness
 
@@ -437,6 +439,58 @@ def test_batch_plan_completion_and_listing(server):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("num_rollouts: ")
 
 
+def progress(stub, batch_id: int, filled: list[int]) -> pb.ReportBatchProgressResponse:
+    return stub.ReportBatchProgress(pb.ReportBatchProgressRequest(batch_id=batch_id, filled_slots=filled))
+
+
+def test_a_stalled_batch_gets_exactly_its_missing_slots_reissued(start_server):
+    stall_s = 0.4
+    harness = start_server(sync_policy="never", batch_stall_s=stall_s)
+    stub = harness.stub
+    planned = tasks_in_stream(harness)
+    holding = [0, 1, 3]  # slot 2 (group 1, sample 0) never arrives
+    started = time.time()
+    first = progress(stub, 0, holding)
+    assert list(first.reissued_slots) == [] and first.batch.num_reissues == 0
+
+    def reissued() -> pb.ReportBatchProgressResponse | None:
+        reply = progress(stub, 0, holding)
+        return reply if reply.reissued_slots else None
+
+    # Stalled, but no sampler is live: nothing is re-issued (nobody could sample it).
+    waited = wait_until(lambda: (r := progress(stub, 0, holding)).stalled_s >= stall_s and r, timeout=10)
+    assert list(waited.reissued_slots) == [] and len(tasks_in_stream(harness)) == len(planned)
+    register(stub, "s0")  # live until its heartbeat timeout (30 s)
+    reply = wait_until(reissued, timeout=10)
+    assert time.time() - started >= stall_s
+    assert list(reply.reissued_slots) == [2]
+    assert (reply.batch.num_reissues, reply.batch.reissued_slots) == (1, 1)
+    tasks = tasks_in_stream(harness)
+    assert len(tasks) == len(planned) + 1
+    task, original = tasks[-1], next(t for t in planned if t.task_id == "b0-g1")
+    assert (task.task_id, task.batch_id, task.group_id, task.sample_indices) == ("b0-g1", 0, 1, (0,))
+    assert task.prompt_ids.tolist() == original.prompt_ids.tolist() and task.payload == original.payload
+    assert list(progress(stub, 0, holding).reissued_slots) == []  # the next re-issue waits another stall_s
+    again = wait_until(reissued, timeout=10)
+    assert list(again.reissued_slots) == [2] and again.batch.num_reissues == 2
+    assert stub.GetStatus(pb.GetStatusRequest()).slots_reissued == 2
+    listed = stub.ListBatches(pb.ListBatchesRequest()).batches
+    assert [(b.batch_id, b.reissued_slots) for b in listed] == [(0, 2), (1, 0)]
+    harness.stop()
+
+    # The ledger keeps the counts across a restart; the stall clock starts again.
+    second = start_server(sync_policy="never", batch_stall_s=stall_s)
+    stub = second.stub
+    assert stub.GetStatus(pb.GetStatusRequest()).slots_reissued == 2
+    assert stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=0)).plan.summary.num_reissues == 2
+    assert list(progress(stub, 0, holding).reissued_slots) == []
+    # A complete batch is never re-issued.
+    stub.MarkBatchComplete(pb.MarkBatchCompleteRequest(batch_id=0))
+    done = progress(stub, 0, holding)
+    assert list(done.reissued_slots) == [] and done.stalled_s == 0.0
+    assert len(tasks_in_stream(second)) == len(planned) + 2
+
+
 def test_status_reports_queue_depths(server):
     status = server.stub.GetStatus(pb.GetStatusRequest())
     assert status.queues.tasks == 2 * B  # nobody consumed the planned tasks yet
@@ -487,6 +541,130 @@ def test_a_restarted_coordinator_resumes_without_replanning(start_server):
     late.cancel()
 
 
+class HoldReply(grpc.aio.ServerInterceptor):
+    """Runs the handler of `method`, then holds its reply (after the coordinator changed its state, the
+    worst moment for a restart) until the server goes away or the test cancels the call (`cancel`)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.holding = threading.Event()
+        self._release: asyncio.Event | None = None
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.endswith(f"/{self.method}"):
+            return handler
+        behavior = handler.unary_unary
+
+        async def held(request, context):
+            reply = await behavior(request, context)
+            self._release = asyncio.Event()
+            self.holding.set()
+            await asyncio.wait_for(self._release.wait(), 3600)
+            # What the client sees when a stopping server resets the stream (RST_STREAM CANCEL) before it
+            # closes the connection (then it sees UNAVAILABLE): which comes first depends on the machine.
+            await context.abort(grpc.StatusCode.CANCELLED, "server shutting down")
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(
+            held, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+    def cancel(self, loop: asyncio.AbstractEventLoop) -> None:
+        """End the held call with CANCELLED while the server still serves."""
+        loop.call_soon_threadsafe(self._release.set)
+
+
+@pytest.mark.parametrize("cut_by", ["server_stop", "handler_cancelled"])
+def test_a_call_in_flight_survives_a_coordinator_restart(start_server, caplog, cut_by):
+    """The trainer's ReportStep is processed, its reply held, and the call cut off (by the server's shutdown,
+    or by the server cancelling the handler: CANCELLED, as seen on some machines when the coordinator stops)
+    and the coordinator restarted: the client the trainer calls through waits for the new server and gets the
+    first answer."""
+    hold = HoldReply("ReportStep")
+    settings = {"sync_policy": "every_k", "sync_every_k": 1, "auth_token": TOKEN}
+    first = start_server(_interceptors=[hold], **settings)
+    client = CoordinatorClient(first.address, token=TOKEN, max_wait_s=60)
+    outcome: dict[str, object] = {}
+
+    def report_step() -> None:
+        try:
+            request = pb.ReportStepRequest(step=1, batch_id=0, stats={"ess_lag": 0.9})
+            outcome["answer"] = client.call("ReportStep", request)
+        except Exception as err:  # the trainer would die of this
+            outcome["error"] = err
+
+    caller = threading.Thread(target=report_step)
+    with caplog.at_level("WARNING", logger="rlcommon.rpc"):
+        caller.start()
+        assert hold.holding.wait(20), "ReportStep never reached the coordinator"
+        if cut_by == "handler_cancelled":
+            hold.cancel(first.loop)
+            wait_until(lambda: "CANCELLED" in caplog.text, timeout=20)
+        port = first.server.port
+        first.stop()
+        second = start_server(_port=port, **settings)
+        caller.join(60)
+    client.close()
+    assert not caller.is_alive() and "error" not in outcome, outcome
+    answer = outcome["answer"]
+    assert answer.publish and answer.next_weight_version == 1
+    assert second.stub.ReportStep(pb.ReportStepRequest(step=1, batch_id=0), metadata=auth()) == answer
+    trained = second.stub.ListBatches(pb.ListBatchesRequest(status=pb.BATCH_TRAINED)).batches
+    assert [(b.batch_id, b.trained_step) for b in trained] == [(0, 1)]
+
+
+def test_grpc_retries_unavailable_and_waits_for_the_server(redis_url):
+    """Transport failures are gRPC's own business (the channel's service config): a call made while nothing
+    listens waits for the server (waitForReady), and UNAVAILABLE answers are retried inside gRPC, with no
+    retry of ours (`retry=False`)."""
+    attempts = []
+
+    class Flaky(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            handler = await continuation(details)
+            if not details.method.endswith("/GetStatus"):
+                return handler
+            behavior = handler.unary_unary
+
+            async def flaky(request, context):
+                attempts.append(time.monotonic())
+                if len(attempts) <= 2:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+                return await behavior(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                flaky, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = CoordinatorClient(f"127.0.0.1:{port}", timeout_s=60)
+    states = []
+    client.channel.subscribe(states.append, try_to_connect=False)
+    outcome: dict[str, object] = {}
+
+    def get_status() -> None:
+        try:
+            outcome["status"] = client.call("GetStatus", pb.GetStatusRequest(), retry=False)
+        except Exception as err:
+            outcome["error"] = err
+
+    caller = threading.Thread(target=get_status)
+    caller.start()
+    wait_until(lambda: grpc.ChannelConnectivity.TRANSIENT_FAILURE in states, timeout=20)  # dialed, refused
+    harness = Harness(make_config(), redis_url, port=port, interceptors=[Flaky()])
+    try:
+        caller.join(60)
+        assert not caller.is_alive() and "error" not in outcome, outcome
+        assert outcome["status"].run_id == RUN_ID and len(attempts) == 3
+    finally:
+        client.close()
+        harness.stop()
+
+
 def test_a_restart_with_other_plan_settings_is_refused(start_server, redis_url):
     start_server().stop()
     cfg = make_config(batch_size=B + 1)
@@ -534,6 +712,10 @@ def test_a_second_coordinator_on_the_same_run_is_refused(server, redis_url):
         ("ReportStep", pb.ReportStepRequest(step=-1, batch_id=0), "step"),
         ("ReportStep", pb.ReportStepRequest(step=1, batch_id=0, weight_version=-2), "weight_version"),
         ("MarkBatchComplete", pb.MarkBatchCompleteRequest(batch_id=-1), "batch_id"),
+        ("ReportBatchProgress", pb.ReportBatchProgressRequest(batch_id=99), "batch_id"),
+        ("ReportBatchProgress", pb.ReportBatchProgressRequest(batch_id=0, filled_slots=[B * G]), "filled_slots"),
+        ("ReportBatchProgress", pb.ReportBatchProgressRequest(batch_id=0, filled_slots=[-1]), "filled_slots"),
+        ("ReportBatchProgress", pb.ReportBatchProgressRequest(batch_id=0, filled_slots=[1, 1]), "filled_slots"),
         ("GetBatchPlan", pb.GetBatchPlanRequest(batch_id=42), "batch_id"),
         ("ListSyncs", pb.ListSyncsRequest(limit=-1), "limit"),
         ("TriggerSync", pb.TriggerSyncRequest(reason="  "), "reason"),
@@ -577,6 +759,7 @@ def test_state_changing_calls_need_the_token(start_server):
         (stub.AckWeightVersion, pb.AckWeightVersionRequest(sampler_id="s0")),
         (stub.ReportStep, pb.ReportStepRequest(batch_id=0)),
         (stub.MarkBatchComplete, pb.MarkBatchCompleteRequest(batch_id=0)),
+        (stub.ReportBatchProgress, pb.ReportBatchProgressRequest(batch_id=0)),
         (stub.AnnouncePublished, pb.AnnouncePublishedRequest(weight_version=1, path="/w", sha256=SHA)),
     ]:
         assert rpc_error(call, request).code() == grpc.StatusCode.UNAUTHENTICATED
@@ -594,31 +777,23 @@ def test_state_changing_calls_need_the_token(start_server):
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make a test certificate")
-def test_tls(start_server, tmp_path: Path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
+
+
+def self_signed(folder: Path, *, names: str = "IP:127.0.0.1,DNS:localhost") -> tuple[Path, Path]:
+    """A self-signed certificate for `names` (subjectAltName) and its key."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=dlc-test",
+         "-addext", f"subjectAltName={names}", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
     )
+    return cert, key
+
+
+@needs_openssl
+def test_tls(start_server, tmp_path: Path):
+    cert, key = self_signed(tmp_path)
     harness = start_server(tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN)
     out = io.StringIO()
     code = dlcctl.main(
@@ -640,6 +815,40 @@ def test_tls(start_server, tmp_path: Path):
     err = io.StringIO()
     assert dlcctl.main(["--address", harness.address, "--timeout", "2", "status"], out=plain, err=err) == 1
     assert "UNAVAILABLE" in err.getvalue()
+
+
+@needs_openssl
+def test_services_dial_tls_with_the_configured_ca(start_server, tmp_path: Path):
+    """The clients trainer and samplers build from their config (`coordinator.tls_ca`, `tls_server_name`)
+    dial a TLS coordinator whose certificate names a host other than the address dialed."""
+    cert, key = self_signed(tmp_path, names="DNS:coordinator.internal")
+    harness = start_server(tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN)
+    client_cfg = load_config(RunConfig, [], {"coordinator": {
+        "address": harness.address, "auth_token": TOKEN, "tls_ca": str(cert),
+        "tls_server_name": "coordinator.internal"}}).coordinator
+    with CoordinatorClient.from_config(client_cfg) as client:  # the trainer's
+        assert client.call("GetStatus", pb.GetStatusRequest()).run_id == RUN_ID
+        assert client.serving()
+
+    async def sampler_side() -> str:
+        client = AsyncCoordinatorClient.from_config(client_cfg)
+        try:
+            request = pb.RegisterSamplerRequest(sampler_id="tls-sampler", hostname="h", pid=1)
+            return (await client.call("RegisterSampler", request)).sampler.sampler_id
+        finally:
+            await client.close()
+
+    assert asyncio.run(sampler_side()) == "tls-sampler"
+    # The name check is real: without the override, 127.0.0.1 is not in the certificate.
+    wrong_name = client_cfg.model_copy(update={"tls_server_name": None})
+    with CoordinatorClient.from_config(wrong_name, wait_for_ready=False) as client:
+        err = rpc_error(client.call, "GetStatus", pb.GetStatusRequest(), timeout_s=5, retry=False)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(ValueError, match="coordinator.tls_ca: cannot read .*cert.pem.missing"):
+        CoordinatorClient.from_config(client_cfg.model_copy(update={"tls_ca": str(tmp_path / "cert.pem.missing")}))
+    with pytest.raises(ValueError, match="coordinator.tls_ca: .*key.pem is not a PEM file"):
+        (tmp_path / "key.pem").write_text("not a pem")
+        CoordinatorClient.from_config(client_cfg.model_copy(update={"tls_ca": str(key)}))
 
 
 # ------------------------------------------------------------------------------------------ dlcctl

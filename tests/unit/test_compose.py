@@ -4,6 +4,7 @@ dependencies resolve, samplers scale, GPU reservations and the CPU override."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -56,8 +57,19 @@ def strip_resets(node):
     return node
 
 
+REQUIRED = re.compile(r"\$\{(\w+):?\?[^}]*\}")
+"""`${VAR:?message}`: compose refuses to start while VAR is unset or empty."""
+
+
+def required_value(name: str) -> str:
+    """What the tests set a required variable to (a secret the user chooses)."""
+    return f"test-{name.lower()}"
+
+
 def substitute(value: str) -> str:
-    """`${VAR:-default}` interpolation with an empty environment (what a fresh node gets)."""
+    """`${VAR:-default}` interpolation with an empty environment (what a fresh node gets), required
+    variables (`${VAR:?message}`) set to `required_value(VAR)`."""
+    value = REQUIRED.sub(lambda m: os.environ.get(m.group(1)) or required_value(m.group(1)), value)
     return re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: os.environ.get(m.group(1), m.group(2) or ""), value)
 
 
@@ -168,3 +180,121 @@ def test_launcher_starts_the_compose_entrypoints_with_the_same_settings(tmp_path
             missing = compose_env - set(spec.env)
             assert not missing, f"{spec.name}: the launcher does not set {sorted(missing)}"
     assert len({s.env["DLC_SAMPLER__SAMPLER_ID"] for s in by_service["sampler"]}) == 2
+
+
+def test_launcher_restarts_services_as_compose_does():
+    """The launcher's restart policy of each service is compose's `restart:` for it."""
+    from rlcommon.launcher import RESTART_POLICY
+
+    for name in ("coordinator", "sampler", "trainer"):
+        compose = BASE["services"][name]
+        assert RESTART_POLICY[compose["command"][2]] == compose["restart"], name
+
+
+# ---------------------------------------------------------------------------------------- secure by default
+
+SERVICE_OF_USER = {"coordinator": "coordinator", "trainer": "trainer", "sampler": "sampler"}
+
+
+def acl_users(command: list[str]) -> dict[str, list[str]]:
+    """The `--user NAME RULE...` directives of a redis-server command line: rules by user name."""
+    users = {}
+    for index, arg in enumerate(command):
+        if arg == "--user":
+            name, *rules = itertools.takewhile(lambda a: not a.startswith("--"), command[index + 1 :])
+            users[name] = rules
+    return users
+
+
+@pytest.mark.parametrize("stack", [BASE, CPU], ids=["gpu", "cpu"])
+def test_no_port_is_published_beyond_this_host(stack):
+    for name, service in stack["services"].items():
+        for port in service.get("ports", []):
+            host = substitute(str(port)).rsplit(":", 2)[0] if str(port).count(":") >= 2 else ""
+            assert host == "127.0.0.1", f"{name}: port {port} is published on every interface"
+
+
+def test_the_coordinator_token_is_required():
+    for name in ("coordinator", "trainer", "sampler"):
+        assert REQUIRED.fullmatch(BASE["services"][name]["environment"]["DLC_COORDINATOR__AUTH_TOKEN"]), name
+
+
+def test_redis_requires_auth_with_the_rules_of_redis_acl():
+    """The redis service's users are rlcommon/redis_acl.py's, each with a required password, and each
+    service logs in as its own user with that password."""
+    from rlcommon.redis_acl import SERVICE_USERS, acl_rules
+
+    users = acl_users(BASE["services"]["redis"]["command"])
+    assert users.pop("default") == ["off", "resetchannels", "-@all"]
+    assert set(users) == set(SERVICE_USERS)
+    for user, tokens in users.items():
+        flag, password, *rules = tokens
+        assert flag == "on" and password.startswith(">")
+        variable = REQUIRED.fullmatch(password[1:])
+        assert variable, f"{user}: the password must be a required variable"
+        assert [substitute(rule) for rule in rules] == acl_rules(user, "default"), user
+        url = BASE["services"][SERVICE_OF_USER[user]]["environment"]["DLC_REDIS__URL"]
+        assert substitute(url) == f"redis://{user}:{required_value(variable.group(1))}@redis:6379/0"
+    assert "DLC_REDIS__URL" not in BASE["services"]["redis"].get("environment", {})
+    assert "--user coordinator" in BASE["services"]["redis"]["healthcheck"]["test"][1]
+
+
+def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rules(tmp_path):
+    """Run the redis service's command line (its interpolated `--user` directives) on the local redis-server."""
+    import subprocess
+    import time
+
+    import redis
+
+    from rlcommon.bus import stream_key
+    from rlcommon.embedded_redis import find_redis_server
+    from rlcommon.launcher import free_port
+
+    command = [substitute(arg) for arg in BASE["services"]["redis"]["command"]]
+    port = free_port()
+    args = [find_redis_server(), *command[1:], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        sampler = redis.Redis(port=port, username="sampler", password=required_value("DLC_REDIS_SAMPLER_PASSWORD"),
+                              protocol=2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                sampler.xadd(stream_key("default", "rollouts"), {b"d": b"x"})
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and server.poll() is None, "redis-server did not start"
+                time.sleep(0.05)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            sampler.xadd(stream_key("default", "tasks"), {b"d": b"forged"})
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, protocol=2).ping()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_the_coordinator_refuses_to_listen_beyond_localhost_without_a_token():
+    import asyncio
+
+    from coordinator.server import CoordinatorServer, is_loopback
+
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "", "coordinator", "10.0.0.1"]))
+    cfg = load_config(RunConfig, [], ["--coordinator.host", "0.0.0.0"])
+    with pytest.raises(ValueError, match="coordinator.auth_token"):
+        asyncio.run(CoordinatorServer(cfg, coordinator=None).start())  # refused before anything starts
+
+
+def test_the_launcher_gives_each_service_its_own_redis_user(tmp_path):
+    """As compose does: the embedded server's `url_for(user)` of each service's user in its DLC_REDIS__URL."""
+    from rlcommon.launcher import service_specs
+    from rlcommon.redis_acl import SERVICE_USERS
+
+    cfg = load_config(RunConfig, [REPO / "configs/default.toml"], ["--num_samplers=2"])
+    urls = {user: f"redis://{user}:secret@127.0.0.1:1/0" for user in SERVICE_USERS}
+    specs = service_specs(cfg=cfg, config_path=tmp_path / "config.toml", redis_url="redis://admin:x@127.0.0.1:1/0",
+                          model_dir="/models/tiny", coordinator_port=50051, redis_urls=urls)
+    assert {spec.name: spec.env["DLC_REDIS__URL"] for spec in specs} == {
+        "coordinator": urls["coordinator"], "sampler-0": urls["sampler"], "sampler-1": urls["sampler"],
+        "trainer": urls["trainer"]}

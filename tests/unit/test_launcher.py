@@ -1,0 +1,107 @@
+"""The launcher's restart policy (compose's `restart:`) as a pure function, then `LocalStack.restart_exited`
+on small real processes that exit by themselves (no vLLM, no Redis)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlcommon import launcher
+from rlcommon.config import RunConfig
+from rlcommon.launcher import LocalStack, ServiceDied, ServiceSpec, build_summary, restart_delay
+
+
+@pytest.mark.parametrize("exit_code", [1, 2, -9, -15])
+def test_on_failure_restarts_a_crash_until_the_bound(exit_code):
+    delays = [restart_delay(exit_code, restart_policy="on-failure", restarts=n, max_restarts=3) for n in range(4)]
+    assert delays[:3] == [launcher.RESTART_BACKOFF_S, 2 * launcher.RESTART_BACKOFF_S, 4 * launcher.RESTART_BACKOFF_S]
+    assert delays[3] is None
+
+
+def test_on_failure_leaves_a_clean_exit_stopped():
+    assert restart_delay(0, restart_policy="on-failure", restarts=0, max_restarts=3) is None
+
+
+def test_unless_stopped_restarts_a_clean_exit_too():
+    assert restart_delay(0, restart_policy="unless-stopped", restarts=0, max_restarts=3) == launcher.RESTART_BACKOFF_S
+    assert restart_delay(-9, restart_policy="unless-stopped", restarts=3, max_restarts=3) is None
+
+
+def test_zero_restarts_stops_at_the_first_crash():
+    assert restart_delay(-9, restart_policy="on-failure", restarts=0, max_restarts=0) is None
+
+
+def test_backoff_is_capped():
+    delay = restart_delay(1, restart_policy="on-failure", restarts=30, max_restarts=100)
+    assert delay == launcher.RESTART_BACKOFF_MAX_S
+
+
+def test_summary_lists_the_restarted_services():
+    summary = build_summary(cfg=RunConfig(), rows=[], coordinator={}, trainer_state={},
+                            restarts={"sampler-0": 1, "trainer": 1})
+    assert summary["restarts"] == {"sampler-0": 1, "trainer": 1}
+    assert build_summary(cfg=RunConfig(), rows=[], coordinator={}, trainer_state={})["restarts"] == {}
+
+
+class ScriptSpec(ServiceSpec):
+    """A service whose process is a Python one-liner (its `module` picks the restart policy)."""
+
+    def __init__(self, name: str, module: str, script: str) -> None:
+        super().__init__(name, module, Path("unused.toml"))
+        self.script = script
+
+    @property
+    def argv(self) -> list[str]:
+        return [sys.executable, "-c", self.script]
+
+
+def stack_of(tmp_path: Path, *specs: ScriptSpec) -> LocalStack:
+    stack = LocalStack(RunConfig(run_dir=str(tmp_path)))
+    stack.log_dir.mkdir(parents=True)
+    stack.specs = {spec.name: spec for spec in specs}
+    for spec in specs:
+        stack.start_service(spec.name)
+    return stack
+
+
+def wait_exited(stack: LocalStack, name: str) -> None:
+    stack.processes[name].process.wait(timeout=60)
+
+
+def test_a_crashing_service_is_restarted_then_given_up_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "RESTART_BACKOFF_S", 0.01)
+    script = "import sys; print('boom', flush=True); sys.exit(3)"
+    stack = stack_of(tmp_path, ScriptSpec("sampler-0", "sampler_svc", script))
+    reported: list[str] = []
+    try:
+        for restarts in (1, 2):
+            first = stack.processes["sampler-0"]
+            wait_exited(stack, "sampler-0")
+            assert stack.restart_exited(max_restarts=2, report=reported.append) == []
+            assert stack.processes["sampler-0"] is not first
+            assert stack.restarts == {"sampler-0": restarts}
+        wait_exited(stack, "sampler-0")
+        with pytest.raises(ServiceDied) as died:
+            stack.restart_exited(max_restarts=2, report=reported.append)
+    finally:
+        stack.stop()
+    log = tmp_path / "logs" / "sampler-0.log"
+    assert reported == [f"sampler-0 exited with code 3; restarting ({n} of 2); log: {log}" for n in (1, 2)]
+    message = str(died.value)
+    assert message.startswith("service 'sampler-0' exited with code 3 after 2 restarts (max_restarts = 2)")
+    assert str(log) in message and "boom" in message
+    assert log.read_text().count("boom") == 3
+
+
+def test_a_clean_exit_is_left_stopped_and_returned(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "RESTART_BACKOFF_S", 0.01)
+    stack = stack_of(tmp_path, ScriptSpec("trainer", "trainer_svc", "pass"),
+                     ScriptSpec("coordinator", "coordinator", "import time; time.sleep(600)"))
+    try:
+        wait_exited(stack, "trainer")
+        assert stack.restart_exited(max_restarts=3, report=pytest.fail) == ["trainer"]
+        assert stack.restarts == {}
+    finally:
+        stack.stop()
