@@ -25,3 +25,28 @@ def redis_url(redis_server: EmbeddedRedis) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+# ------------------------------------------------------------------------------------------ load
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-hog", type=int, default=0, metavar="N",
+        help="run N busy-looping processes for the whole session (tests must hold on a saturated machine)",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_hog(request: pytest.FixtureRequest):
+    """`--cpu-hog N`: N processes spinning at full speed while the tests run, so that timing assumptions
+    tuned to an idle machine show up as failures (e.g. `pytest tests/integration/test_faults.py --cpu-hog 2`)."""
+    import subprocess
+    import sys
+
+    count = request.config.getoption("--cpu-hog")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    yield len(hogs)
+    for hog in hogs:
+        hog.kill()
+        hog.wait()

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service.start()
         service.run()
+        service.finish()
     except Exception:
         logger.exception("trainer failed")
         return 1

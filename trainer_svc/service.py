@@ -4,7 +4,8 @@ to the coordinator, publishes weights when asked, checkpoints, and acks only wha
     start()  model (or the latest checkpoint), stream consumer, coordinator channel, metrics
     run()    until `steps` batches are trained: read -> buffer by batch -> train the next complete batch
              (while it waits, it reports the slots it holds: the coordinator re-issues those of a stalled batch)
-    stop()   final checkpoint and state file
+    finish() checkpoint of the steps since the last one (after all steps, or a stop between steps)
+    stop()   state file, connections
 
 After a crash the trainer resumes from its latest checkpoint and replays what came after it: its own
 pending rollouts are re-read first (nothing after the checkpoint was acked), the steps after the checkpoint
@@ -104,6 +105,8 @@ class TrainerService:
         tokenizer = load_tokenizer(self.model_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.train_step = TrainStep(model, config=cfg.trainer, pad_id=pad_id)
+        self.checkpointed_step = 0
+        """The step the latest checkpoint holds (0: none; the initial state needs none)."""
         checkpoint = latest_checkpoint(self.checkpoint_dir)
         if checkpoint is not None:
             state = load_checkpoint(checkpoint, train_step=self.train_step)
@@ -111,6 +114,7 @@ class TrainerService:
             self.duplicates_dropped = int(state.get("duplicates_dropped", 0))
             self.skipped_batches = int(state.get("skipped_batches", 0))
             self.rejected_rollouts = int(state.get("rejected_rollouts", 0))
+            self.checkpointed_step = self.train_step.step
             logger.info("resumed from %s: step %d, weight version %d, next batch %d",
                         checkpoint, self.train_step.step, self.train_step.weight_version, self.next_batch_id)
 
@@ -129,6 +133,13 @@ class TrainerService:
                         dropped, self.train_step.step)
         self.metrics = MetricsSink(service="trainer", jsonl_path=metrics_path, tensorboard_dir=self.run_dir / "tensorboard")
         return self
+
+    def finish(self) -> None:
+        """After `run` returned (all steps, or a stop request between steps): checkpoint the steps trained
+        since the last checkpoint, so that a run stopped with Ctrl-C resumes where it stopped."""
+        if self.train_step.step > self.checkpointed_step:
+            self.checkpoint()
+            logger.info("checkpointed step %d on the way out", self.train_step.step)
 
     def stop(self) -> None:
         self._stopping = True
@@ -315,6 +326,7 @@ class TrainerService:
             extra_state={"next_batch_id": self.next_batch_id, "duplicates_dropped": self.duplicates_dropped,
                          "skipped_batches": self.skipped_batches, "rejected_rollouts": self.rejected_rollouts},
         )
+        self.checkpointed_step = self.train_step.step
         if self.unacked_entry_ids:
             self.consumer.ack(self.unacked_entry_ids)
             self.unacked_entry_ids = []
