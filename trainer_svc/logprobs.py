@@ -118,7 +118,8 @@ def chunked_head_logprobs(
     hidden [N, H], weight [V, H], bias [V] or None, ids [N, J] (long), temperature [N] -> [N, J] float32.
     Differentiable in hidden, weight and bias. Past one chunk, the backward recomputes each chunk's logits
     from the saved hidden states and log-sum-exps, so no [N, V] tensor is kept between forward and backward
-    (one extra LM-head matmul); within one chunk it is plain autograd.
+    (one extra LM-head matmul), under the autocast state of the forward (bf16 logits stay bf16 logits); within
+    one chunk it is plain autograd.
     """
     if chunk_tokens is None:
         chunk_tokens = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, weight.shape[0]))
@@ -146,6 +147,8 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             out[rows] = logits.gather(1, ids[rows]) - lse[rows, None]
         ctx.save_for_backward(hidden, weight, bias, ids, temperature, lse)
         ctx.chunk_tokens = chunk_tokens
+        device_type = hidden.device.type
+        ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
         return out
 
     @staticmethod
@@ -156,19 +159,21 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
         grad_out = grad_out.float()
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            rows = slice(start, start + ctx.chunk_tokens)
-            logits = _chunk_logits(hidden[rows], weight, bias, temperature[rows])
-            # d out[n, j] / d logits[n, v] = 1[v = ids[n, j]] - softmax[n, v]
-            grad = torch.exp(logits - lse[rows, None]).mul_(-grad_out[rows].sum(1, keepdim=True))
-            grad.scatter_add_(1, ids[rows], grad_out[rows])
-            grad = grad.div_(temperature[rows, None])  # through the temperature, to the raw logits
-            if need_hidden:
-                grad_hidden[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_weight:
-                grad_weight += grad.t() @ hidden[rows].float()
-            if need_bias:
-                grad_bias += grad.sum(0)
+        device_type, autocast_dtype, autocast_enabled = ctx.autocast
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
+            for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+                rows = slice(start, start + ctx.chunk_tokens)
+                logits = _chunk_logits(hidden[rows], weight, bias, temperature[rows])
+                # d out[n, j] / d logits[n, v] = 1[v = ids[n, j]] - softmax[n, v]
+                grad = torch.exp(logits - lse[rows, None]).mul_(-grad_out[rows].sum(1, keepdim=True))
+                grad.scatter_add_(1, ids[rows], grad_out[rows])
+                grad = grad.div_(temperature[rows, None])  # through the temperature, to the raw logits
+                if need_hidden:
+                    grad_hidden[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+                if need_weight:
+                    grad_weight += grad.t() @ hidden[rows].float()
+                if need_bias:
+                    grad_bias += grad.sum(0)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         if need_bias:

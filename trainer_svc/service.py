@@ -100,8 +100,8 @@ class TrainerService:
         self.model_dir = resolve_model(cfg.model, cfg.task)
         from transformers import AutoModelForCausalLM
 
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.trainer.dtype]
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(cfg.trainer.device)
+        # float32 master weights whatever trainer.dtype: bfloat16 is the compute precision (autocast in TrainStep).
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(cfg.trainer.device)
         tokenizer = load_tokenizer(self.model_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.train_step = TrainStep(model, config=cfg.trainer, pad_id=pad_id)

@@ -5,6 +5,11 @@ start); the model then *is* that version (`live_version`) until its next optimiz
 (`model_changed()`). A rollout of the live version needs no extra forward: l^v = l.detach(). A rollout of
 an older version gets one no-grad forward with the snapshot swapped in (`torch.func.functional_call`: no
 second model in memory). `release_below(min_version)` drops what no planned batch can need any more.
+
+A snapshot holds each distinct tensor of the model once, under its first name: a model with tied embeddings
+(Qwen3-0.6B/1.7B/4B: `lm_head.weight` is `model.embed_tokens.weight`) keeps the embedding once, and
+functional_call (tie_weights=True) gives the kept tensor to every name tied to it. Two copies of a tied
+tensor would double the embedding's memory and make functional_call refuse the swap.
 """
 
 from __future__ import annotations
@@ -18,7 +23,19 @@ from torch import Tensor, nn
 from trainer_svc.batch import TrainBatch
 from trainer_svc.logprobs import ResponseLogprobs, batch_logprobs
 
-__all__ = ["MissingVersionError", "VersionSnapshots"]
+__all__ = ["MissingVersionError", "VersionSnapshots", "distinct_weights"]
+
+
+def distinct_weights(model: nn.Module) -> dict[str, Tensor]:
+    """The model's state_dict entries with each tensor once: a tied alias (the `lm_head.weight` of a model with
+    tied embeddings) is left out, as `named_parameters()` leaves it out. Values are the live tensors."""
+    seen: set[int] = set()
+    distinct: dict[str, Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            distinct[name] = tensor
+    return distinct
 
 
 class MissingVersionError(LookupError):
@@ -37,7 +54,7 @@ class _LogprobsForward(nn.Module):
 
 
 class VersionSnapshots:
-    """Kept weight versions: version -> state_dict copy on `storage_device` (CPU copies by default)."""
+    """Kept weight versions: version -> copy of `distinct_weights(model)` on `storage_device` (CPU by default)."""
 
     def __init__(self, *, storage_device: str | torch.device = "cpu", chunk_tokens: int | None = None):
         self.storage_device = torch.device(storage_device)
@@ -70,7 +87,7 @@ class VersionSnapshots:
         if self._weights and version < max(self._weights):
             raise ValueError(f"weight version {version} is older than the kept version {max(self._weights)}")
         self._weights[version] = {
-            name: tensor.detach().to(self.storage_device, copy=True) for name, tensor in model.state_dict().items()
+            name: tensor.detach().to(self.storage_device, copy=True) for name, tensor in distinct_weights(model).items()
         }
         self._published_step[version] = step
         self.live_version = version

@@ -11,6 +11,12 @@ scales this step's learning rate by `ess_full`; `dual` updates its multiplier af
 that is l.detach()). A batch whose loss or gradient norm is not finite is skipped (no update of weights,
 optimizer or multiplier) and reported. Deterministic on CPU for a fixed model, seed and batch.
 
+`trainer.dtype = "bfloat16"` runs every forward (and the backward's recomputed LM-head chunks) in bf16 autocast,
+as mixed-precision training does: the weights, gradients, AdamW state and snapshots stay float32 (master
+weights) and the log-softmax is taken in float32. AdamW on bf16 weights would round away every update smaller
+than half a bf16 ulp of the weight (at lr 1e-6 almost no weight of a Qwen3 would move), so TrainStep refuses
+a model whose weights are not float32.
+
 `micro_batch_rows` splits the forward/backward into micro-batches of rows (gradient accumulation) without
 changing the step: a no-grad pass gives every row's log-probs, and each micro-batch then back-propagates
 the whole batch's loss through its own rows only.
@@ -65,6 +71,13 @@ class TrainStep:
         snapshots: VersionSnapshots | None = None,
         pad_id: int = 0,
     ):
+        low_precision = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+        if low_precision:
+            raise ValueError(
+                f"the model's weights are {', '.join(low_precision)}: TrainStep keeps float32 master weights (AdamW "
+                "on bf16 weights rounds small updates away); load the model in float32 and set trainer.dtype = "
+                "'bfloat16' for bf16 compute"
+            )
         self.model = model
         self.config = config
         self.pad_id = pad_id
@@ -120,7 +133,8 @@ class TrainStep:
                 logp=torch.cat([p.logp for p in parts]),
                 logp_topk=torch.cat([p.logp_topk for p in parts]) if needs_topk else None,
             )
-        version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
+        with self._autocast():
+            version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
         loss, loss_metrics = self._loss(batch, current, version)
 
         skip_reason = None
@@ -172,8 +186,16 @@ class TrainStep:
         metrics["step_time_s"] = time.perf_counter() - start
         return StepResult(metrics=metrics, skipped=skip_reason is not None, skip_reason=skip_reason)
 
+    def _autocast(self) -> torch.autocast:
+        """bf16 compute of `trainer.dtype = "bfloat16"` (a no-op context for float32)."""
+        device_type = next(self.model.parameters()).device.type
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.config.dtype == "bfloat16")
+
     def _logprobs(self, batch: TrainBatch, *, with_topk: bool) -> ResponseLogprobs:
-        return batch_logprobs(self.model, batch, with_topk=with_topk, chunk_tokens=self.config.logits_chunk_tokens)
+        with self._autocast():
+            return batch_logprobs(
+                self.model, batch, with_topk=with_topk, chunk_tokens=self.config.logits_chunk_tokens
+            )
 
     def _loss(
         self, batch: TrainBatch, current: ResponseLogprobs, version: ResponseLogprobs

@@ -1,4 +1,5 @@
-"""trainer_svc.checkpoint: atomic checkpoints that resume bit-identically on CPU."""
+"""trainer_svc.checkpoint: atomic checkpoints that resume bit-identically on CPU, on an untied and a
+tied-embedding model (fixture `tied`): a tied model comes back tied, its embedding stored once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 import trainer_svc.checkpoint as checkpoint_module
 from rlcommon.config import TrainerConfig
-from tests.unit.trainer_helpers import make_rollouts, tiny_model
+from tests.unit.trainer_helpers import is_tied, make_rollouts, tiny_model
 from trainer_svc.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer_svc.step import TrainStep
 
@@ -30,22 +31,27 @@ def train(train_step: TrainStep, steps: range) -> None:
 
 
 @pytest.mark.parametrize("method", ["dlc", "dual"])
-def test_resume_continues_bit_identically(tmp_path, method):
+def test_resume_continues_bit_identically(tmp_path, method, tied):
     config = TrainerConfig(method=method)
-    straight = TrainStep(tiny_model(seed=0), config=config)
+    straight = TrainStep(tiny_model(tied=tied, seed=0), config=config)
     train(straight, range(2))
     path = save_checkpoint(tmp_path, train_step=straight)
     torch_draw, python_draw, numpy_draw = torch.rand(3), random.random(), np.random.rand()
     train(straight, range(2, 4))
 
-    resumed = TrainStep(tiny_model(seed=123), config=config)  # different init: everything must come from disk
+    resumed = TrainStep(tiny_model(tied=tied, seed=123), config=config)  # different init: all must come from disk
     meta = load_checkpoint(path, train_step=resumed)
     assert meta["step"] == 2 and meta["kept_versions"] == [0, 1] and meta["weight_version"] == 1
+    assert is_tied(resumed.model) == tied
+    names = [name for name, _ in resumed.model.named_parameters()]
+    for version in (0, 1):  # each kept tensor once: a tied embedding is not stored twice
+        assert list(resumed.snapshots.state_dict()["weights"][version]) == names
     assert torch.equal(torch.rand(3), torch_draw) and random.random() == python_draw and np.random.rand() == numpy_draw
     train(resumed, range(2, 4))
 
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name
+    assert is_tied(straight.model) == is_tied(resumed.model) == tied
     assert straight.correction_state.lam == resumed.correction_state.lam
     assert straight.step == resumed.step == 4
     assert straight.snapshots.versions == resumed.snapshots.versions
@@ -56,8 +62,8 @@ def test_resume_continues_bit_identically(tmp_path, method):
         assert straight.correction_state.lam > 0
 
 
-def test_checkpoint_contents_and_pruning(tmp_path):
-    train_step = TrainStep(tiny_model(), config=TrainerConfig(method="dual"))
+def test_checkpoint_contents_and_pruning(tmp_path, tied):
+    train_step = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method="dual"))
     paths = []
     for k in range(3):
         train_step.train_on(make_rollouts(seed=k))
@@ -76,8 +82,8 @@ def test_checkpoint_contents_and_pruning(tmp_path):
     assert again == paths[-1] and (again / "model.pt").is_file()
 
 
-def test_a_crash_while_writing_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
-    train_step = TrainStep(tiny_model(), config=TrainerConfig(method="dlc"))
+def test_a_crash_while_writing_leaves_no_partial_checkpoint(tmp_path, monkeypatch, tied):
+    train_step = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method="dlc"))
     first = save_checkpoint(tmp_path, train_step=train_step)
     train_step.train_on(make_rollouts())
     real_save, calls = torch.save, []
@@ -95,10 +101,10 @@ def test_a_crash_while_writing_leaves_no_partial_checkpoint(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
 
 
-def test_load_rejects_incomplete_or_foreign_checkpoints(tmp_path):
-    train_step = TrainStep(tiny_model(), config=TrainerConfig(method="dlc"))
+def test_load_rejects_incomplete_or_foreign_checkpoints(tmp_path, tied):
+    train_step = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method="dlc"))
     path = save_checkpoint(tmp_path, train_step=train_step)
-    other = TrainStep(tiny_model(), config=TrainerConfig(method="naive"))
+    other = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method="naive"))
     with pytest.raises(ValueError, match="checkpoint of method 'dlc'"):
         load_checkpoint(path, train_step=other)
     (path / "optimizer.pt").unlink()

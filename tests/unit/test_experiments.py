@@ -83,7 +83,7 @@ def test_rest_bucket_is_a_lower_bound_of_the_full_kl():
 
 
 def test_policy_logprobs_align_with_the_model_and_kl_to_itself_is_zero():
-    model = tiny_model(seed=0)
+    model = tiny_model(tied=True, seed=0)
     batch = build_prefix_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], pad_id=0)
     full = policy_logprobs(model, batch, temperature=0.7)
     assert full.shape == (2, 3, VOCAB)
@@ -98,7 +98,7 @@ def test_policy_logprobs_align_with_the_model_and_kl_to_itself_is_zero():
     for support in (None, 5):
         ref = reference_point(model, batch, temperature=0.7, support_topk=support)
         assert kl_to_reference(ref, model, temperature=0.7) == pytest.approx(0.0, abs=1e-6)
-        assert kl_to_reference(ref, tiny_model(seed=1), temperature=0.7) > 1e-3  # two random inits differ
+        assert kl_to_reference(ref, tiny_model(tied=True, seed=1), temperature=0.7) > 1e-3  # two random inits differ
 
 
 def test_reference_store_noise_threshold_and_onpolicy_distance():
@@ -114,13 +114,13 @@ def test_reference_store_noise_threshold_and_onpolicy_distance():
 def test_reference_store_records_pairs_against_earlier_runs():
     store = ReferenceStore(temperature=1.0)
     batch = build_prefix_batch([[1, 2]], [[3, 4]], pad_id=0)
-    assert store.add_onpolicy(10, 1, tiny_model(seed=0), batch, support_topk=None) == {}
-    kls = store.add_onpolicy(11, 1, tiny_model(seed=1), batch, support_topk=None)
+    assert store.add_onpolicy(10, 1, tiny_model(tied=True, seed=0), batch, support_topk=None) == {}
+    kls = store.add_onpolicy(11, 1, tiny_model(tied=True, seed=1), batch, support_topk=None)
     assert list(kls) == [10] and kls[10] > 0
     assert store.pair_kl == {(10, 11, 1): kls[10]}
     assert store.run_ids == [10, 11]
     with pytest.raises(ValueError, match="already recorded"):
-        store.add_onpolicy(11, 1, tiny_model(seed=1), batch, support_topk=None)
+        store.add_onpolicy(11, 1, tiny_model(tied=True, seed=1), batch, support_topk=None)
 
 
 # ------------------------------------------------------------------------------------------------ ESS

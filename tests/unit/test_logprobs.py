@@ -1,5 +1,6 @@
 """trainer_svc.logprobs and trainer_svc.snapshots: response log-probs of right-padded batches at the sampling
-temperature (sampled token and top-K ids, one forward), and l^v from kept weight versions."""
+temperature (sampled token and top-K ids, one forward), and l^v from kept weight versions. Every test with a
+model runs on an untied and a tied-embedding model (fixture `tied`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 
 from rlcommon.wire import Rollout
-from tests.unit.trainer_helpers import VOCAB, ForwardCounter, tiny_model
+from tests.unit.trainer_helpers import VOCAB, ForwardCounter, is_tied, tiny_model
 from trainer_svc.batch import build_batch
 from trainer_svc.logprobs import batch_logprobs, response_logprobs
-from trainer_svc.snapshots import MissingVersionError, VersionSnapshots
+from trainer_svc.snapshots import MissingVersionError, VersionSnapshots, distinct_weights
 
 
 def make_rollouts(*, weight_versions=(0, 0, 0), topk: int = 4, seed: int = 0, temperature: float = 1.0):
@@ -44,8 +45,8 @@ def reference_logprobs(model, rollout, temperature):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_padded_batch_matches_row_by_row_reference(temperature):
-    model = tiny_model()
+def test_padded_batch_matches_row_by_row_reference(temperature, tied):
+    model = tiny_model(tied=tied)
     rollouts = make_rollouts(weight_versions=(0,) * 5, temperature=temperature)
     batch = build_batch(rollouts)
     result = batch_logprobs(model, batch, with_topk=True)
@@ -61,8 +62,8 @@ def test_padded_batch_matches_row_by_row_reference(temperature):
     assert torch.equal(result.logp, result.logp_topk[:, :, 0])
 
 
-def test_logprobs_carry_gradient_and_skip_topk_when_not_asked():
-    model = tiny_model()
+def test_logprobs_carry_gradient_and_skip_topk_when_not_asked(tied):
+    model = tiny_model(tied=tied)
     batch = build_batch(make_rollouts())
     result = batch_logprobs(model, batch, with_topk=False)
     assert result.logp_topk is None
@@ -70,8 +71,8 @@ def test_logprobs_carry_gradient_and_skip_topk_when_not_asked():
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
 
 
-def test_per_row_temperature_tensor():
-    model = tiny_model()
+def test_per_row_temperature_tensor(tied):
+    model = tiny_model(tied=tied)
     batch = build_batch(make_rollouts())
     scalar = batch_logprobs(model, batch, with_topk=True).logp
     per_row = response_logprobs(
@@ -91,8 +92,8 @@ def _sgd_step(model):
             param.add_(0.05 * torch.randn_like(param))
 
 
-def test_snapshot_logprobs_are_those_of_the_kept_weights():
-    model = tiny_model()
+def test_snapshot_logprobs_are_those_of_the_kept_weights(tied):
+    model = tiny_model(tied=tied)
     batch = build_batch(make_rollouts(weight_versions=(0, 0, 0, 0)))
     before = batch_logprobs(model, batch, with_topk=True)
     snapshots = VersionSnapshots()
@@ -105,12 +106,13 @@ def test_snapshot_logprobs_are_those_of_the_kept_weights():
     torch.testing.assert_close(at_version.logp, before.logp.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(at_version.logp_topk, before.logp_topk.detach(), rtol=1e-6, atol=1e-6)
     assert not at_version.logp.requires_grad
-    # The model's own weights are untouched by the swap.
+    # The model's own weights are untouched by the swap, and a tied model is still tied.
     torch.testing.assert_close(batch_logprobs(model, batch, with_topk=True).logp, after.logp)
+    assert is_tied(model) == tied
 
 
-def test_live_version_needs_no_extra_forward_and_older_versions_one_each():
-    model = tiny_model()
+def test_live_version_needs_no_extra_forward_and_older_versions_one_each(tied):
+    model = tiny_model(tied=tied)
     counter = ForwardCounter(model)
     snapshots = VersionSnapshots()
     snapshots.keep(0, model, step=0)
@@ -143,8 +145,8 @@ def test_live_version_needs_no_extra_forward_and_older_versions_one_each():
     assert v0_logp.shape[0] == 4 and snapshots.published_step(1) == 3
 
 
-def test_release_below_drops_versions_and_missing_versions_are_reported():
-    model = tiny_model()
+def test_release_below_drops_versions_and_missing_versions_are_reported(tied):
+    model = tiny_model(tied=tied)
     snapshots = VersionSnapshots()
     for version in range(3):
         snapshots.keep(version, model, step=version)
@@ -161,13 +163,34 @@ def test_release_below_drops_versions_and_missing_versions_are_reported():
         snapshots.keep(1, model)
 
 
-def test_snapshot_is_a_copy_not_a_view():
-    model = tiny_model()
+def test_snapshot_is_a_copy_not_a_view(tied):
+    model = tiny_model(tied=tied)
     snapshots = VersionSnapshots()
     snapshots.keep(0, model)
-    kept = snapshots.state_dict()["weights"][0]["lm_head.weight"].clone()
+    kept = {name: tensor.clone() for name, tensor in snapshots.state_dict()["weights"][0].items()}
     _sgd_step(model)
-    assert torch.equal(snapshots.state_dict()["weights"][0]["lm_head.weight"], kept)
+    for name, tensor in snapshots.state_dict()["weights"][0].items():
+        assert torch.equal(tensor, kept[name]), name
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_snapshot_holds_each_tensor_once(tied):
+    """A tied model's snapshot keeps the embedding once (as named_parameters() lists it), in memory of its own:
+    as many bytes as the model's distinct weights, no storage shared with the model or between entries."""
+    model = tiny_model(tied=tied)
+    snapshots = VersionSnapshots()
+    snapshots.keep(0, model)
+    weights = snapshots.state_dict()["weights"][0]
+    names = [name for name, _ in model.named_parameters()]
+    assert list(weights) == names == list(distinct_weights(model))
+    assert ("lm_head.weight" in weights) == (not tied)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(t.numel() * t.element_size() for t in weights.values()) == model_bytes
+    assert len(_storages(weights.values())) == len(weights)
+    assert not _storages(weights.values()) & _storages(model.parameters())
 
 
 # ------------------------------------------------------------------------------------- chunked LM head
@@ -207,12 +230,13 @@ def test_chunked_head_matches_the_whole_log_softmax_in_value_and_gradient(chunk_
         torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_chunk_size_does_not_change_the_trainers_logprobs_or_gradients():
-    """The whole model (tied embeddings: the LM head is the input embedding), with and without top-K."""
+def test_chunk_size_does_not_change_the_trainers_logprobs_or_gradients(tied):
+    """The whole model (with tied embeddings the LM head's gradient adds to the input embedding's), with and
+    without top-K."""
     batch = build_batch(make_rollouts(weight_versions=(0,) * 6, temperature=0.7))
     results = {}
     for chunk in (1, 5, None):
-        model = tiny_model()
+        model = tiny_model(tied=tied)
         out = response_logprobs(
             model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
             prompt_lengths=batch.prompt_lengths, num_response_tokens=batch.num_response_tokens,
@@ -224,6 +248,31 @@ def test_chunk_size_does_not_change_the_trainers_logprobs_or_gradients():
         torch.testing.assert_close(results[chunk][0], results[None][0], rtol=1e-6, atol=1e-6)
         for name, grad in results[None][1].items():
             torch.testing.assert_close(results[chunk][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_head_under_bf16_autocast_matches_one_chunk(tied):
+    """Under bf16 autocast (trainer.dtype = "bfloat16") the chunked head computes bf16 logits and recomputes them
+    the same way in its backward: log-probs and gradients equal the one-chunk autograd ones within bf16 rounding
+    (bf16 eps = 2**-7: one rounding of a logit below 1 in magnitude; twice that of each gradient's largest entry,
+    for the partial sums rounded per chunk)."""
+    batch = build_batch(make_rollouts(weight_versions=(0,) * 6, temperature=0.7))
+    results = {}
+    for chunk in (1, 5, None):
+        model = tiny_model(tied=tied)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = response_logprobs(
+                model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                prompt_lengths=batch.prompt_lengths, num_response_tokens=batch.num_response_tokens,
+                temperature=batch.temperature, topk_ids=batch.topk_ids, chunk_tokens=chunk,
+            )
+        assert out.logp.dtype == torch.float32
+        (out.logp[batch.response_mask].sum() + 0.3 * out.logp_topk[batch.response_mask].sum()).backward()
+        results[chunk] = (out.logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    for chunk in (1, 5):
+        torch.testing.assert_close(results[chunk][0], results[None][0], rtol=0, atol=2**-7)
+        for name, grad in results[None][1].items():
+            atol = 2**-6 * float(grad.abs().max())
+            torch.testing.assert_close(results[chunk][1][name], grad, rtol=0, atol=atol, msg=name)
 
 
 def test_bad_chunk_size_is_refused():

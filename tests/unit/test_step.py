@@ -1,6 +1,7 @@
 """trainer_svc.batch and trainer_svc.step: padding and GRPO advantages of wire Rollouts, then one AdamW step
 per planned batch for every method (determinism, skip-and-report, VCPO learning rate, DC-GRPO multiplier,
-staleness and no extra forward for fresh rollouts)."""
+staleness and no extra forward for fresh rollouts). Every test with a model runs on an untied and a
+tied-embedding model (fixture `tied`); a tied model stays tied through its steps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from rlcommon.config import METHODS, CorrectionConfig, TrainerConfig
-from tests.unit.trainer_helpers import ForwardCounter, make_rollouts, tiny_model
+from tests.unit.trainer_helpers import ForwardCounter, is_tied, make_rollouts, tiny_model
 from trainer_svc.batch import build_batch, group_advantages
 from trainer_svc.step import TrainStep
 
@@ -86,16 +87,16 @@ def params_of(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def run_steps(method: str, *, num_steps: int = 2, **config):
-    model = tiny_model()
+def run_steps(method: str, *, tied: bool, num_steps: int = 2, **config):
+    model = tiny_model(tied=tied)
     step = TrainStep(model, config=TrainerConfig(method=method, **config))
     results = [step.train_on(make_rollouts(seed=i)) for i in range(num_steps)]
     return step, results
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_trains_and_reports_the_design_metrics(method):
-    model = tiny_model()
+def test_every_method_trains_and_reports_the_design_metrics(method, tied):
+    model = tiny_model(tied=tied)
     before = params_of(model)
     train_step = TrainStep(model, config=TrainerConfig(method=method))
     result = train_step.train_on(make_rollouts())
@@ -105,12 +106,13 @@ def test_every_method_trains_and_reports_the_design_metrics(method):
     assert result.metrics["skipped"] == 0.0
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert train_step.step == 1 and train_step.snapshots.live_version is None
+    assert is_tied(model) == tied
 
 
 @pytest.mark.parametrize("method", ["dlc", "dual"])
-def test_step_is_deterministic(method):
-    first, _ = run_steps(method, num_steps=3)
-    second, _ = run_steps(method, num_steps=3)
+def test_step_is_deterministic(method, tied):
+    first, _ = run_steps(method, tied=tied, num_steps=3)
+    second, _ = run_steps(method, tied=tied, num_steps=3)
     for (name, a), b in zip(first.model.named_parameters(), second.model.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert first.correction_state.lam == second.correction_state.lam
@@ -170,7 +172,7 @@ def stale_batches():
 
 
 def _layer_forwards(gradient_checkpointing: bool) -> int:
-    model = tiny_model()
+    model = tiny_model(tied=False)
     calls = []
     mlp = model.model.layers[0].mlp
     forward = mlp.forward
@@ -184,33 +186,33 @@ def checkpointed(train_step: TrainStep) -> None:
     train_step.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def test_gradient_checkpointing_changes_memory_not_the_step():
+def test_gradient_checkpointing_changes_memory_not_the_step(tied):
     assert (_layer_forwards(False), _layer_forwards(True)) == (1, 2)  # the layer runs again in the backward
-    plain = TrainStep(tiny_model(), config=TrainerConfig(method="dlc"))
+    plain = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method="dlc"))
     for seed in range(2):
         assert_same_step(plain, make_rollouts(seed=seed), gradient_checkpointing=True, prepare=checkpointed)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_micro_batches_give_the_one_pass_step(method):
+def test_micro_batches_give_the_one_pass_step(method, tied):
     """Three steps (the second and third on stale rollouts, mixed versions in the third), with micro-batches
     of 3 rows (uneven split of 8 and 16 rows) and in one pass: the same gradients and metrics."""
-    whole = TrainStep(tiny_model(), config=TrainerConfig(method=method))
+    whole = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method=method))
     for index, rollouts in enumerate(stale_batches()):
         if index == 2:
             whole.mark_published(1)
         assert_same_step(whole, rollouts, micro_batch_rows=3)
 
 
-def test_micro_batches_cost_one_more_forward():
-    model = tiny_model()
+def test_micro_batches_cost_one_more_forward(tied):
+    model = tiny_model(tied=tied)
     counter = ForwardCounter(model)
     TrainStep(model, config=TrainerConfig(method="dlc", micro_batch_rows=3)).train_on(make_rollouts())
     assert counter.calls == 3 + 3  # 8 rows in splits of 3: a no-grad pass and a pass with grad
 
 
-def test_non_finite_batch_is_skipped_and_reported():
-    model = tiny_model()
+def test_non_finite_batch_is_skipped_and_reported(tied):
+    model = tiny_model(tied=tied)
     train_step = TrainStep(model, config=TrainerConfig(method="dlc"))
     train_step.train_on(make_rollouts(seed=0))
     before = params_of(model)
@@ -227,30 +229,51 @@ def test_non_finite_batch_is_skipped_and_reported():
     assert not train_step.train_on(make_rollouts(seed=2)).skipped
 
 
-def test_non_finite_sampler_logprobs_do_not_poison_the_step():
+def test_non_finite_sampler_logprobs_do_not_poison_the_step(tied):
     rollouts = make_rollouts()
     broken = rollouts[0].sampler_logprobs.copy()
     broken[0] = np.nan
     rollouts[0] = dataclasses.replace(rollouts[0], sampler_logprobs=broken)
     rollouts[1] = dataclasses.replace(rollouts[1], sampler_logprobs=np.full_like(rollouts[1].sampler_logprobs, -1e4))
     for method in METHODS:
-        result = TrainStep(tiny_model(), config=TrainerConfig(method=method)).train_on(rollouts)
+        result = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method=method)).train_on(rollouts)
         assert not result.skipped, method
         assert result.metrics["nonfinite_inputs"] == 1.0
 
 
-def test_vcpo_scales_the_learning_rate_by_ess_full():
-    train_step, (result, _) = run_steps("vcpo")
+def test_bf16_trainer_steps_float32_master_weights(tied):
+    """`trainer.dtype = "bfloat16"` computes in bf16 (autocast) and steps float32 weights. At lr 1e-6 AdamW moves a
+    weight by ~1e-6, far below half a bf16 ulp of a weight of ~0.02 (2**-14 = 6e-5): bf16 weights would not move
+    at all (the bf16 roundings before and after the step agree); the float32 master weights do."""
+    model = tiny_model(tied=tied)
+    before = params_of(model)
+    result = TrainStep(model, config=TrainerConfig(method="dlc", dtype="bfloat16", lr=1e-6)).train_on(make_rollouts())
+    assert not result.skipped
+    assert all(math.isfinite(v) for v in result.metrics.values()), result.metrics
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and is_tied(model) == tied
+    name = "model.layers.0.mlp.up_proj.weight"
+    after = dict(model.named_parameters())[name].detach()
+    assert (after != before[name]).float().mean() > 0.99
+    assert (after.bfloat16() == before[name].bfloat16()).float().mean() > 0.9
+
+
+def test_low_precision_weights_are_refused(tied):
+    with pytest.raises(ValueError, match="float32 master weights"):
+        TrainStep(tiny_model(tied=tied).to(torch.bfloat16), config=TrainerConfig(method="dlc", dtype="bfloat16"))
+
+
+def test_vcpo_scales_the_learning_rate_by_ess_full(tied):
+    train_step, (result, _) = run_steps("vcpo", tied=tied)
     assert 0 < result.metrics["ess_full"] < 1
     assert result.metrics["lr"] == pytest.approx(train_step.config.lr * result.metrics["ess_full"])
     assert train_step.optimizer.param_groups[0]["lr"] == train_step.config.lr
-    _, (tis_result, _) = run_steps("tis")
+    _, (tis_result, _) = run_steps("tis", tied=tied)
     assert tis_result.metrics["lr"] == train_step.config.lr
 
 
-def test_dual_multiplier_is_updated_after_the_step():
+def test_dual_multiplier_is_updated_after_the_step(tied):
     correction = CorrectionConfig(dual_tolerance=0.01, dual_lr=2.0)
-    train_step, results = run_steps("dual", correction=correction)
+    train_step, results = run_steps("dual", tied=tied, correction=correction)
     first, second = results
     assert first.metrics["lambda"] == 0.0  # the loss of step 0 used the initial multiplier
     expected = max(0.0, 2.0 * (first.metrics["delta_mean"] - 0.01))
@@ -259,8 +282,8 @@ def test_dual_multiplier_is_updated_after_the_step():
     assert train_step.correction_state.lam == second.metrics["lambda_next"]
 
 
-def test_fresh_rollouts_cost_one_forward_and_stale_ones_two():
-    model = tiny_model()
+def test_fresh_rollouts_cost_one_forward_and_stale_ones_two(tied):
+    model = tiny_model(tied=tied)
     counter = ForwardCounter(model)
     train_step = TrainStep(model, config=TrainerConfig(method="dlc"))
     fresh = train_step.train_on(make_rollouts(weight_version=0))
@@ -277,3 +300,4 @@ def test_fresh_rollouts_cost_one_forward_and_stale_ones_two():
     ])
     assert counter.calls == 5
     assert mixed.metrics["staleness_max"] == 1.0 and mixed.metrics["staleness_mean"] == 0.5
+    assert not mixed.skipped and is_tied(model) == tied

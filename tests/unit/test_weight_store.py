@@ -1,4 +1,5 @@
-"""rlcommon.weight_store: atomic version folders with a sha256 manifest, verified before loading."""
+"""rlcommon.weight_store: atomic version folders with a sha256 manifest, verified before loading; each test on
+an untied and a tied-embedding model (fixture `tied`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import rlcommon.weight_store as weight_store
@@ -18,7 +20,7 @@ from rlcommon.weight_store import (
     verify_version_folder,
     version_folder,
 )
-from tests.unit.trainer_helpers import tiny_model
+from tests.unit.trainer_helpers import is_tied, tiny_model
 
 
 @pytest.fixture
@@ -34,8 +36,8 @@ def source_dir(tmp_path):
     return folder
 
 
-def test_publish_writes_a_verifiable_loadable_version(tmp_path, source_dir):
-    model = tiny_model()
+def test_publish_writes_a_verifiable_loadable_version(tmp_path, source_dir, tied):
+    model = tiny_model(tied=tied)
     publish_dir = tmp_path / "weights"
     published = publish_version(model, publish_dir=publish_dir, weight_version=3, step=7, source_dir=source_dir)
     folder = version_folder(publish_dir, 3)
@@ -48,45 +50,50 @@ def test_publish_writes_a_verifiable_loadable_version(tmp_path, source_dir):
     assert set(manifest["files"]) == names - {"manifest.json"}
     assert published.sha256 == manifest_sha256(folder)
     assert (folder / "tokenizer.json").read_text() == '{"model": "char"}'
+    # What vLLM reads: the weights once each (a tied model's embedding, no lm_head.weight) and the tie flag.
+    with safe_open(folder / "model.safetensors", "pt") as weights:
+        assert sorted(weights.keys()) == sorted(name for name, _ in model.named_parameters())
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is tied
     loaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert is_tied(loaded) == tied
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert latest_version(publish_dir) == 3
     assert not [p for p in publish_dir.iterdir() if p.name.startswith(".")]
 
 
-def test_latest_version_ignores_partial_and_foreign_folders(tmp_path):
+def test_latest_version_ignores_partial_and_foreign_folders(tmp_path, tied):
     assert latest_version(tmp_path / "missing") is None
     assert latest_version(tmp_path) is None
-    publish_version(tiny_model(), publish_dir=tmp_path, weight_version=1, step=0)
-    publish_version(tiny_model(), publish_dir=tmp_path, weight_version=2, step=4)
+    publish_version(tiny_model(tied=tied), publish_dir=tmp_path, weight_version=1, step=0)
+    publish_version(tiny_model(tied=tied), publish_dir=tmp_path, weight_version=2, step=4)
     (tmp_path / ".tmp-v000009-abc").mkdir()
     (tmp_path / "v000010").mkdir()  # no manifest: not a published version
     (tmp_path / "notes").mkdir()
     assert latest_version(tmp_path) == 2
 
 
-def test_publishing_an_existing_version_is_refused(tmp_path):
-    publish_version(tiny_model(), publish_dir=tmp_path, weight_version=1, step=0)
+def test_publishing_an_existing_version_is_refused(tmp_path, tied):
+    publish_version(tiny_model(tied=tied), publish_dir=tmp_path, weight_version=1, step=0)
     with pytest.raises(WeightsError, match="already published"):
-        publish_version(tiny_model(), publish_dir=tmp_path, weight_version=1, step=1)
+        publish_version(tiny_model(tied=tied), publish_dir=tmp_path, weight_version=1, step=1)
 
 
-def test_a_crash_while_publishing_leaves_nothing_visible(tmp_path, monkeypatch):
+def test_a_crash_while_publishing_leaves_nothing_visible(tmp_path, monkeypatch, tied):
     def broken_save(model, folder):
         (folder / "model.safetensors").write_bytes(b"half")
         raise OSError("disk full")
 
     monkeypatch.setattr(weight_store, "_save_model", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        publish_version(tiny_model(), publish_dir=tmp_path, weight_version=1, step=0)
+        publish_version(tiny_model(tied=tied), publish_dir=tmp_path, weight_version=1, step=0)
     assert list(tmp_path.iterdir()) == []
     assert latest_version(tmp_path) is None
 
 
 @pytest.fixture
-def published(tmp_path):
-    return publish_version(tiny_model(), publish_dir=tmp_path / "weights", weight_version=5, step=2)
+def published(tmp_path, tied):
+    return publish_version(tiny_model(tied=tied), publish_dir=tmp_path / "weights", weight_version=5, step=2)
 
 
 def _rewrite_manifest(folder, **changes):

@@ -1,4 +1,5 @@
-"""Small builders shared by the trainer unit tests: a random 1-layer Qwen3 and random wire Rollouts."""
+"""Small builders shared by the trainer unit tests: a random 1-layer Qwen3 (tied or untied embeddings), a
+random real-shape Qwen3 (Qwen3-0.6B's dimensions and vocabulary, 2 layers) and random wire Rollouts."""
 
 from __future__ import annotations
 
@@ -11,13 +12,40 @@ from rlcommon.wire import Rollout
 VOCAB = 32
 
 
-def tiny_model(seed: int = 0) -> Qwen3ForCausalLM:
+def tiny_model(*, tied: bool, seed: int = 0) -> Qwen3ForCausalLM:
+    """A random 1-layer Qwen3; `tied`: `lm_head.weight` is `model.embed_tokens.weight` (one Parameter)."""
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=64,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, tie_word_embeddings=tied,
     )
-    return Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    return model
+
+
+def is_tied(model) -> bool:
+    """The LM head and the input embedding are one tensor."""
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+REAL_SHAPE_PRESET = "qwen3-0.6b-L2"
+"""Qwen3-0.6B's hub config.json with 2 of its 28 layers: the tied 151,936 x 1024 embedding (the memory and the
+LM head of the real model), 16 query / 8 key-value heads of 128, MLP 3072; ~187M parameters, 0.75 GB in fp32."""
+
+
+def real_shape_model(seed: int = 0) -> Qwen3ForCausalLM:
+    """A random float32 model of the `REAL_SHAPE_PRESET` shape (tied embeddings), built in memory."""
+    from transformers import AutoModelForCausalLM
+
+    from rlcommon.tiny_model import preset_config
+
+    config = preset_config(REAL_SHAPE_PRESET)
+    assert (config.vocab_size, config.hidden_size, config.tie_word_embeddings) == (151_936, 1024, True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert is_tied(model)
+    return model
 
 
 class ForwardCounter:
