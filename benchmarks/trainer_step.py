@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from rlcommon.config import TrainerConfig
-from rlcommon.tiny_model import PRESETS, qwen3_config
-from rlcommon.tokenizer import CharTokenizer
+from rlcommon.tiny_model import PRESETS, preset_config, preset_tokenizer
 from rlcommon.wire import Rollout
 from trainer_svc.step import TrainStep
 
@@ -39,11 +38,11 @@ TARGETS = {"fresh": 1.05, "stale": 1.5}
 
 
 def build_model(preset: str, *, seed: int):
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = qwen3_config(PRESETS[preset], CharTokenizer())
+    config = preset_config(preset)
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def make_rollouts(
@@ -70,7 +69,7 @@ def make_rollouts(
 
 
 def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
-    vocab_size = CharTokenizer().vocab_size
+    vocab_size = preset_tokenizer(preset).vocab_size
     steps: dict[tuple[str, str], TrainStep] = {}
     for freshness in ("fresh", "stale"):
         for method in METHODS:

@@ -411,18 +411,18 @@ class BatchPlanner:
 def encoder_for(model_cfg: Any, task_cfg: Any) -> Callable[[str], Sequence[int]]:
     """The prompt tokenizer's `encode` for `model.name_or_path`, without torch.
 
-    A builder preset uses the character tokenizer every tiny model is built with (the model itself need
-    not exist yet); a local folder or a hub snapshot is read with `rlcommon.tokenizer.load_tokenizer`.
+    A builder preset uses the tokenizer the preset is built with (the model itself need not exist yet);
+    a local folder or a hub snapshot is read with `rlcommon.tokenizer.load_tokenizer`.
     """
-    from rlcommon.tiny_model import model_source, resolve_model
-    from rlcommon.tokenizer import CharTokenizer, load_tokenizer
+    from rlcommon.tiny_model import model_source, preset_tokenizer, resolve_model
+    from rlcommon.tokenizer import load_tokenizer
 
     try:
         source = model_source(model_cfg.name_or_path)
     except ValueError as err:
         raise PlanError(str(err)) from None
     if source == "preset":
-        return CharTokenizer().encode
+        return preset_tokenizer(model_cfg.name_or_path).encode
     try:
         return load_tokenizer(resolve_model(model_cfg, task_cfg)).encode
     except ValueError as err:

@@ -77,13 +77,15 @@ class BusConfig(StrictModel):
 
 class ModelConfig(StrictModel):
     name_or_path: str = "tiny"
-    """A preset of the tiny-model builder (`tiny`, `small`), a local folder, or a hub model name."""
+    """A preset built here (`tiny`, `small`; real shapes, random init: `qwen3-0.6b-L2`, `qwen3-0.6b`,
+    `qwen3-1.7b-L2`, `qwen3-1.7b`), a local folder, or a hub model name (`Qwen/Qwen3-0.6B`: read from the
+    Hugging Face cache under `HF_HOME`, downloaded unless `HF_HUB_OFFLINE=1`)."""
     seed: int = Field(0, ge=0)
-    """Seed of the tiny model's random init and warm start."""
+    """Seed of a built model's random init and warm start."""
     cache_dir: str = ".cache/models"
-    """Where built tiny models are cached (by a hash of their settings)."""
+    """Where built models are cached (by a hash of their settings)."""
     warm_start_steps: int = Field(300, ge=0)
-    """Supervised warm-start steps on the task for a built tiny model."""
+    """Supervised warm-start steps on the task for a built `tiny`/`small` model (real shapes: none)."""
 
 
 class TaskConfig(StrictModel):
@@ -199,7 +201,8 @@ class TrainerConfig(StrictModel):
     device: str = "cpu"
     """Torch device."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Trainer precision."""
+    """Compute precision of the trainer's forwards and backward (`bfloat16`: torch autocast). The weights,
+    gradients, AdamW state and kept snapshots stay float32 (master weights) and the log-softmax is float32."""
     micro_batch_rows: int | None = Field(None, ge=1)
     """Rollouts per forward/backward pass (gradient accumulation); None: the whole batch in one. The loss is
     still the whole batch's (a no-grad pass first gives every row's log-probs), so the step is the same, for

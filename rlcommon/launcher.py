@@ -518,8 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"launcher: {err}", file=sys.stderr)
         return 2
+    from rlcommon.tiny_model import ModelNotFoundError
+
     try:
         summary = run(cfg, progress_bar=not args.no_progress and sys.stderr.isatty())
+    except ModelNotFoundError as err:
+        logger.error("%s", err)
+        return 2
     except ServiceDied as err:
         logger.error("%s", err)
         return 1

@@ -1,7 +1,17 @@
-"""Model folders: build a tiny Qwen3-architecture model with a character-level tokenizer (cached), or load a
+"""Model folders: build a Qwen3-architecture model with a character-level tokenizer (cached), or load a
 local folder, or download a hub model; `resolve_model` picks the path from `ModelConfig.name_or_path`.
 
-A built model is a random init (seeded), then a short supervised warm start on the task (teacher forcing
+Two kinds of presets:
+- `tiny` / `small` (`ModelShape`): small dimensions, 64-token vocabulary, untied embeddings, warm-started on
+  the task (below). What the default run and most tests use.
+- real shapes (`RealShape`: `qwen3-0.6b`, `qwen3-0.6b-L2`, `qwen3-1.7b`, `qwen3-1.7b-L2`): the exact
+  config.json of a hub model (kept in `rlcommon/model_configs/`; 151,936-id vocabulary, tied embeddings,
+  Qwen3's rope and norms), with only `num_hidden_layers` changed in the `-L<n>` presets. Seeded random
+  init stored in bfloat16 like the hub's weights, no warm start, over `Qwen3CharTokenizer` (the character
+  tokenizer at Qwen3's ids: the real tokenizer cannot be downloaded here). They run the path a real model
+  takes (large ids, tied weights, a 152k-wide LM head) on CPU; their reward stays near 0.
+
+A tiny/small model is a random init (seeded), then a short supervised warm start on the task (teacher forcing
 on prompt + answer + EOS, loss on the answer tokens) until the model is sharp (the probability of the
 exact answer, i.e. the expected reward under temperature-1 sampling, reaches `SHARP_REWARD` on a fixed
 probe set, or the step budget ends), then a calibration that scales the output head down (the same as a
@@ -10,8 +20,13 @@ then starts with signal but far from saturation, and can raise the reward quickl
 knowledge the model already has (a model stopped early instead learns slowly from RL: checked, it stays
 flat for 40 steps of 32 samples). The folder holds config.json
 (Qwen3ForCausalLM), generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-special_tokens_map.json and warm_start.json (settings and measured rewards); vLLM and transformers both
-load it. Folders are cached under `cache_dir` by a hash of every setting that changes the weights.
+special_tokens_map.json and warm_start.json (settings and measured rewards, or the size of a real-shape
+init); vLLM and transformers both load it. Folders are cached under `cache_dir` by a hash of every setting
+that changes the weights.
+
+A hub name (`Qwen/Qwen3-0.6B`) is resolved by `huggingface_hub.snapshot_download`, which reads `HF_HOME` /
+`HF_HUB_CACHE` and, with `HF_HUB_OFFLINE=1`, serves it from the local cache only; a model it cannot find
+raises `ModelNotFoundError`, naming the model, the cache folder and the fixes.
 
 CLI: `python -m rlcommon.tiny_model --preset tiny [--out DIR]` builds (or finds) the model and prints
 its folder. torch and transformers are imported only when a model is built.
@@ -40,18 +55,25 @@ from pydantic import ValidationError
 from rlcommon.config import ModelConfig, TaskConfig
 from rlcommon.rewards import reward
 from rlcommon.tasks import Problem, TaskSource
-from rlcommon.tokenizer import CharTokenizer, TextTokenizer
+from rlcommon.tokenizer import CharTokenizer, Qwen3CharTokenizer, TextTokenizer
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "BUILD_VERSION",
+    "MODEL_CONFIGS_DIR",
     "PRESETS",
+    "ModelNotFoundError",
     "ModelShape",
+    "RealShape",
     "build_tiny_model",
+    "hub_config",
     "measure_reward",
     "model_source",
+    "preset_config",
+    "preset_config_json",
+    "preset_tokenizer",
     "qwen3_config",
     "resolve_model",
     "main",
@@ -81,7 +103,23 @@ class ModelShape:
     suffer badly from spinning threads on a busy machine); None leaves torch's setting."""
 
 
-PRESETS: dict[str, ModelShape] = {
+@dataclass(frozen=True)
+class RealShape:
+    """A hub model's architecture: its exact config.json (`MODEL_CONFIGS_DIR/<config>.json`), with only
+    `num_hidden_layers` changed when `num_layers` is set. Built as a seeded random init (no warm start)."""
+
+    hub_name: str
+    """The hub model whose config.json this is, e.g. "Qwen/Qwen3-0.6B"."""
+    config: str
+    """Name of the config file in MODEL_CONFIGS_DIR, without `.json`."""
+    num_layers: int | None = None
+    """num_hidden_layers of the preset; None keeps the hub's."""
+
+
+MODEL_CONFIGS_DIR = Path(__file__).resolve().parent / "model_configs"
+"""The exact config.json of each hub model a real-shape preset copies (data, as on the hub)."""
+
+PRESETS: dict[str, ModelShape | RealShape] = {
     # ~0.3M parameters (untied 64-token embeddings). head_dim >= 32: vLLM's CPU attention supports
     # head sizes 32, 64, 80, ... only (16 fails at the first forward).
     "tiny": ModelShape(64, 4, 4, 2, 32, 256, warm_start_lr=3e-3, warm_start_batch=64, num_build_threads=1),
@@ -89,6 +127,13 @@ PRESETS: dict[str, ModelShape] = {
     "small": ModelShape(
         384, 8, 6, 2, 64, 1152, warm_start_lr=1e-3, warm_start_batch=32, num_build_threads=None
     ),
+    # Qwen3-0.6B: 0.60B parameters (0.44B without the tied 151,936 x 1024 embedding); 1.2 GB in bfloat16.
+    "qwen3-0.6b": RealShape("Qwen/Qwen3-0.6B", "qwen3-0.6b"),
+    # The same with 2 of its 28 layers: 0.19B parameters, 0.16B of them the embedding (tests on CPU).
+    "qwen3-0.6b-L2": RealShape("Qwen/Qwen3-0.6B", "qwen3-0.6b", num_layers=2),
+    # Qwen3-1.7B: 1.72B parameters (1.41B without the tied 151,936 x 2048 embedding); 3.4 GB in bfloat16.
+    "qwen3-1.7b": RealShape("Qwen/Qwen3-1.7B", "qwen3-1.7b"),
+    "qwen3-1.7b-L2": RealShape("Qwen/Qwen3-1.7B", "qwen3-1.7b", num_layers=2),
 }
 
 TARGET_REWARD = 0.3
@@ -127,6 +172,53 @@ def model_source(name_or_path: str) -> Literal["preset", "local", "hub"]:
     return "hub"
 
 
+class ModelNotFoundError(ValueError):
+    """`model.name_or_path` names a hub model that is neither in the local Hugging Face cache nor downloadable."""
+
+
+def hub_config(config: str) -> dict[str, Any]:
+    """The hub config.json kept as `MODEL_CONFIGS_DIR/<config>.json` (a fresh dict)."""
+    path = MODEL_CONFIGS_DIR / f"{config}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.json"))
+        raise ValueError(f"no model config {config!r} in {MODEL_CONFIGS_DIR} (have: {', '.join(known)})")
+    return json.loads(path.read_text())
+
+
+def preset_config_json(preset: str) -> dict[str, Any]:
+    """The config.json of a real-shape preset: the hub's, with `num_hidden_layers` of the preset."""
+    spec = PRESETS.get(preset)
+    if not isinstance(spec, RealShape):
+        real = [name for name, shape in PRESETS.items() if isinstance(shape, RealShape)]
+        raise ValueError(f"{preset!r} is not a real-shape preset (one of {', '.join(real)})")
+    config = hub_config(spec.config)
+    if spec.num_layers is not None:
+        config["num_hidden_layers"] = spec.num_layers
+    return config
+
+
+def preset_config(preset: str):
+    """The transformers config of any preset (builds nothing; `AutoModelForCausalLM.from_config` takes it)."""
+    spec = PRESETS.get(preset)
+    if spec is None:
+        raise ValueError(f"unknown model preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    if isinstance(spec, RealShape):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(**preset_config_json(preset))
+    return qwen3_config(spec, CharTokenizer())
+
+
+def preset_tokenizer(preset: str) -> TextTokenizer:
+    """The tokenizer a preset is built with (no model needed, no torch): what the coordinator encodes with."""
+    spec = PRESETS.get(preset)
+    if spec is None:
+        raise ValueError(f"unknown model preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    if isinstance(spec, RealShape):
+        return Qwen3CharTokenizer(vocab_size=preset_config_json(preset)["vocab_size"])
+    return CharTokenizer()
+
+
 def _snapshot_download(repo_id: str) -> Path:
     """Download (or find in the local hub cache) the files vLLM and transformers need for `repo_id`."""
     from huggingface_hub import snapshot_download
@@ -143,8 +235,9 @@ def resolve_model(
 ) -> Path:
     """The model folder of `model_cfg`: a built preset (cached), a local folder, or a hub snapshot.
 
-    `download` replaces `huggingface_hub.snapshot_download` (tests); failures to download raise a
-    ValueError that names the model and suggests a preset or a local folder.
+    A hub name goes through `huggingface_hub.snapshot_download` (or `download`, in tests), which uses the
+    local cache (`HF_HOME`, `HF_HUB_CACHE`) and, with `HF_HUB_OFFLINE=1`, nothing else. A model found
+    neither there nor on the hub raises `ModelNotFoundError` naming the model, the cache folder and the fixes.
     """
     name = model_cfg.name_or_path
     source = model_source(name)
@@ -164,10 +257,40 @@ def resolve_model(
     try:
         return Path(download(name) if download is not None else _snapshot_download(name)).resolve()
     except Exception as err:
-        raise ValueError(
-            f"model.name_or_path: could not download hub model {name!r} ({type(err).__name__}: {err}); "
-            f"without network use a preset ({', '.join(PRESETS)}) or a local model folder"
-        ) from err
+        # One error with everything needed to fix it (huggingface_hub's own chain adds nothing to it).
+        raise ModelNotFoundError(_hub_miss_message(name, err)) from None
+
+
+def _hub_miss_message(name: str, err: Exception) -> str:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    home = os.environ.get("HF_HOME")
+    cache = f"the Hugging Face cache {constants.HF_HUB_CACHE} (HF_HOME={home if home else 'not set'})"
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if constants.HF_HUB_OFFLINE and (
+        type(err) is not LocalEntryNotFoundError or isinstance(err, IncompleteSnapshotError)
+    ):
+        problem = (
+            f"model.name_or_path: hub model {name!r} is not usable from {cache} "
+            f"({type(err).__name__}: {reason}), and HF_HUB_OFFLINE=1 forbids downloading it"
+        )
+    elif constants.HF_HUB_OFFLINE:
+        problem = (
+            f"model.name_or_path: hub model {name!r} is not in {cache}, and HF_HUB_OFFLINE=1 forbids "
+            "downloading it"
+        )
+    else:
+        problem = (
+            f"model.name_or_path: could not download hub model {name!r} ({type(err).__name__}: {reason}), "
+            f"and it is not in {cache}"
+        )
+    repo_folder = "models--" + name.replace("/", "--")
+    return (
+        f"{problem}. To fix: download it on a machine with network (`hf download {name}`) and copy its "
+        f"{repo_folder} folder (from that machine's $HF_HOME/hub) into {constants.HF_HUB_CACHE}; or set "
+        f"model.name_or_path to a local model folder; or use a preset built here ({', '.join(PRESETS)})"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- cache
@@ -177,6 +300,16 @@ def _settings(
     preset: str, *, task_cfg: TaskConfig, seed: int, warm_start_steps: int, target_reward: float
 ) -> dict[str, Any]:
     """Everything that changes the built weights (hashed into the cache folder's name)."""
+    spec = PRESETS[preset]
+    if isinstance(spec, RealShape):  # a random init: the task and the warm start do not enter
+        return {
+            "build_version": BUILD_VERSION,
+            "preset": preset,
+            "shape": asdict(spec),
+            "config": preset_config_json(preset),
+            "tokenizer": "qwen3-char",
+            "seed": seed,
+        }
     task: dict[str, Any] = {"kind": task_cfg.kind, "difficulty": task_cfg.difficulty, "seed": task_cfg.seed}
     if task_cfg.kind == "jsonl":
         assert task_cfg.path is not None
@@ -221,10 +354,12 @@ def build_tiny_model(
     warm_start_steps: int,
     target_reward: float = TARGET_REWARD,
 ) -> Path:
-    """Build (or find in `cache_dir`) the warm-started model of `preset` for the task; returns its folder.
+    """Build (or find in `cache_dir`) the model of `preset`; returns its folder.
 
-    `warm_start_steps` bounds the supervised phase (0 = random init, no calibration); the output head is
-    then scaled so that the expected temperature-1 reward on the probe set is `target_reward`.
+    tiny/small: `warm_start_steps` bounds the supervised phase on the task (0 = random init, no calibration);
+    the output head is then scaled so that the expected temperature-1 reward on the probe set is
+    `target_reward`. Real-shape presets are a random init: `task_cfg`, `warm_start_steps` and `target_reward`
+    do not apply to them.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; expected one of {', '.join(PRESETS)}")
@@ -458,6 +593,8 @@ def _build_into(
     import torch
 
     shape = PRESETS[preset]
+    if isinstance(shape, RealShape):
+        return _build_real_shape_into(folder, preset=preset, seed=seed)
     threads = torch.get_num_threads()
     if shape.num_build_threads is not None:
         torch.set_num_threads(shape.num_build_threads)
@@ -481,6 +618,7 @@ def _build_model_into(
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     shape = PRESETS[preset]
+    assert isinstance(shape, ModelShape), preset
     tokenizer = CharTokenizer()
     with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG state
         torch.manual_seed(seed)
@@ -512,6 +650,48 @@ def _build_model_into(
     model.save_pretrained(folder)
     tokenizer.save(folder)
     return report
+
+
+def _build_real_shape_into(folder: Path, *, preset: str, seed: int) -> dict[str, Any]:
+    """Seeded random init of a real-shape preset, saved in bfloat16 (as on the hub) with the preset's exact
+    config.json, a generation_config.json with Qwen3's special ids, and `Qwen3CharTokenizer`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config_json = preset_config_json(preset)
+    tokenizer = Qwen3CharTokenizer(vocab_size=config_json["vocab_size"])
+    config = preset_config(preset)
+    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG state
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(torch.bfloat16)
+    num_parameters = sum(p.numel() for p in model.parameters())  # parameters(): a tied tensor counts once
+    num_embedding = model.get_input_embeddings().weight.numel()
+    bars_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder)  # a tied head is saved once (as the embedding)
+    finally:
+        if bars_enabled:
+            hf_logging.enable_progress_bar()
+    del model
+    # The hub's file, not transformers' re-serialization of it (which renames and adds fields).
+    (folder / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    generation = {
+        "bos_token_id": config_json["bos_token_id"],
+        "eos_token_id": tokenizer.eos_token_ids,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer.save(folder)
+    return {
+        "init": "random",
+        "dtype": "bfloat16",
+        "num_parameters": num_parameters,
+        "num_non_embedding_parameters": num_parameters - num_embedding,
+        "tie_word_embeddings": bool(config_json.get("tie_word_embeddings")),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -1,10 +1,13 @@
-"""Tokenizers without torch or transformers: the character-level tokenizer of the built tiny models, and
-`load_tokenizer`, which reads any model folder's `tokenizer.json` (tiny model or hub snapshot).
+"""Tokenizers without torch or transformers: the character-level tokenizers of the built models, and
+`load_tokenizer`, which reads any model folder's `tokenizer.json` (built model or hub snapshot).
 
 The character tokenizer is a `tokenizers` WordLevel model over single characters (a pre-tokenizer isolates
 every character, a Fuse decoder joins them back), saved with `tokenizer_config.json` and
 `special_tokens_map.json` so that transformers' `AutoTokenizer` and vLLM load the same folder.
 `decode(encode(text)) == text` for every text made of `CHARS`; other characters map to `<unk>`.
+Two layouts of its ids: `CharTokenizer` (64 ids, the tiny/small presets) and `Qwen3CharTokenizer` (the same
+characters spread over Qwen3's 151,936 ids with Qwen3's special-token ids, the real-shape presets: the real
+Qwen3 BPE tokenizer cannot be downloaded on these machines).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ __all__ = [
     "CHARS",
     "TextTokenizer",
     "CharTokenizer",
+    "QWEN3_VOCAB_SIZE",
+    "Qwen3CharTokenizer",
     "load_tokenizer",
 ]
 
@@ -83,17 +88,59 @@ class TextTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
+def _char_level_tokenizer(vocab: dict[str, int], special_tokens: list[str]) -> Tokenizer:
+    """WordLevel over `vocab` (whose single-character entries are what text encodes to), `<unk>` for other
+    characters, `special_tokens` registered as special; special tokens are never parsed from text."""
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # Every character (newline included) is its own pre-token; the decoder concatenates them back.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(special_tokens)
+    tok.encode_special_tokens = True  # text is text: "<eos>" typed in a prompt is 5 characters, not EOS
+    return tok
+
+
+def _save_char_level(
+    tok: Tokenizer, directory: str | Path, *, special: dict[str, str | None], model_max_length: int
+) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json of a character-level tokenizer.
+
+    `special` maps bos_token / eos_token / pad_token / unk_token to their token (None: the model has none).
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        CHAR_LEVEL_KEY: True,
+        "added_tokens_decoder": {
+            str(token_id): {
+                "content": added.content,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for token_id, added in sorted(tok.get_added_tokens_decoder().items())
+        },
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special_map = {key: token for key, token in special.items() if token is not None}
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+
+
 def _build_char_tokenizer() -> Tokenizer:
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for ch in CHARS:
         assert ch not in vocab, f"duplicate character {ch!r} in CHARS"
         vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    # Every character (newline included) is its own pre-token; the decoder concatenates them back.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return tok
+    return _char_level_tokenizer(vocab, list(SPECIAL_TOKENS))
 
 
 class CharTokenizer(TextTokenizer):
@@ -104,7 +151,6 @@ class CharTokenizer(TextTokenizer):
 
     def __init__(self) -> None:
         tok = _build_char_tokenizer()
-        tok.encode_special_tokens = True  # text is text: "<eos>" typed in a prompt is 5 characters, not EOS
         super().__init__(
             tok,
             eos_token_ids=[tok.token_to_id(EOS_TOKEN)],
@@ -136,37 +182,71 @@ class CharTokenizer(TextTokenizer):
 
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        self.tokenizer.save(str(out / "tokenizer.json"))
-        special = {
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "pad_token": PAD_TOKEN,
-            "unk_token": UNK_TOKEN,
-        }
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            **special,
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": 2048,
-            CHAR_LEVEL_KEY: True,
-            "added_tokens_decoder": {
-                str(self.tokenizer.token_to_id(t)): {
-                    "content": t,
-                    "lstrip": False,
-                    "normalized": False,
-                    "rstrip": False,
-                    "single_word": False,
-                    "special": True,
-                }
-                for t in SPECIAL_TOKENS
-            },
-        }
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}
+        _save_char_level(self.tokenizer, directory, special=special, model_max_length=2048)
+
+
+QWEN3_VOCAB_SIZE = 151_936
+"""Rows of the embedding and LM head of every Qwen3 size (config.json `vocab_size`)."""
+QWEN3_NUM_TOKENS = 151_669
+"""Tokens of the real Qwen3 tokenizer: 151,643 BPE tokens, then 26 special tokens (ids 151,643..151,668); the
+ids from 151,669 up are padding rows of the embedding that no text maps to."""
+QWEN3_ENDOFTEXT, QWEN3_IM_START, QWEN3_IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+QWEN3_SPECIAL_IDS = {QWEN3_ENDOFTEXT: 151_643, QWEN3_IM_START: 151_644, QWEN3_IM_END: 151_645}
+"""The special tokens the runs use, at their Qwen3 ids: `<|endoftext|>` (pad; config.json's bos_token_id) and
+`<|im_end|>` (EOS; generation also stops on `<|endoftext|>`, as Qwen3's generation_config.json says)."""
+QWEN3_MAX_LENGTH = 131_072
+"""tokenizer_config.json `model_max_length` of Qwen3."""
+
+
+def _spread_ids(count: int, span: int) -> list[int]:
+    """`count` distinct ids spread evenly over [0, span): the centres of `count` equal bins."""
+    return [(2 * i + 1) * span // (2 * count) for i in range(count)]
+
+
+class Qwen3CharTokenizer(TextTokenizer):
+    """The character tokenizer laid out in Qwen3's id space, for the real-shape presets (`qwen3-0.6b-L2`...).
+
+    The real Qwen3 tokenizer cannot be downloaded here, and the runs' tasks need a tokenizer the model was
+    built with, so the real-shape models keep the character tokenizer with Qwen3's ids where the pipeline can
+    tell the difference:
+    - `vocab_size` ids (151,936, the size of the embedding), every one of them decodable: the model may sample
+      any row of its head (a random init does);
+    - `<|endoftext|>` = 151,643 (pad), `<|im_start|>` = 151,644, `<|im_end|>` = 151,645 (EOS), as in Qwen3;
+      Qwen3 has no BOS token and no `<unk>`: `<unk>` = 151,669, the first id past the real tokenizer;
+    - the 60 characters of `CHARS` at ids spread evenly over Qwen3's 151,643 regular ids (1,263, 3,791, ...,
+      150,379; the arithmetic prompts' `+` and `=` are above 65,535), so prompts, responses and top-K rows
+      carry large ids through the engine, the wire and the trainer;
+    - every other id is a filler word `<t{id}>` that no text encodes to (text is split into characters).
+    """
+
+    def __init__(self, vocab_size: int = QWEN3_VOCAB_SIZE) -> None:
+        unk_id = QWEN3_NUM_TOKENS
+        if vocab_size <= unk_id:
+            raise ValueError(f"Qwen3CharTokenizer needs vocab_size > {unk_id}, got {vocab_size}")
+        named = {**QWEN3_SPECIAL_IDS, UNK_TOKEN: unk_id}
+        named.update(zip(CHARS, _spread_ids(len(CHARS), QWEN3_SPECIAL_IDS[QWEN3_ENDOFTEXT]), strict=True))
+        assert len(set(named.values())) == len(named), "two tokens share an id"
+        token_of = {token_id: token for token, token_id in named.items()}
+        vocab = {token_of.get(i, f"<t{i}>"): i for i in range(vocab_size)}
+        tok = _char_level_tokenizer(vocab, [*QWEN3_SPECIAL_IDS, UNK_TOKEN])
+        super().__init__(
+            tok,
+            eos_token_ids=[QWEN3_SPECIAL_IDS[QWEN3_IM_END], QWEN3_SPECIAL_IDS[QWEN3_ENDOFTEXT]],
+            pad_token_id=QWEN3_SPECIAL_IDS[QWEN3_ENDOFTEXT],
+            bos_token_id=None,
+        )
+        self.unk_token_id = unk_id
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id."""
+        return self.tokenizer.get_vocab(with_added_tokens=True)
+
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
+        special = {"bos_token": None, "eos_token": QWEN3_IM_END, "pad_token": QWEN3_ENDOFTEXT, "unk_token": UNK_TOKEN}
+        _save_char_level(self.tokenizer, directory, special=special, model_max_length=QWEN3_MAX_LENGTH)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

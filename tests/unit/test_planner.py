@@ -308,6 +308,19 @@ def test_tasks_reach_the_redis_stream_as_wire_tasks(redis_url):
     conn.close()
 
 
+def test_encoder_for_a_preset_is_the_tokenizer_it_is_built_with():
+    """The coordinator tokenizes prompts without the model: a real-shape preset's prompts carry Qwen3-space
+    ids (the character tokenizer spread over 151,936 ids), the tiny preset's the 64-id ones."""
+    from coordinator.planner import encoder_for
+    from rlcommon.config import ModelConfig
+    from rlcommon.tokenizer import Qwen3CharTokenizer
+
+    prompt = TaskSource(TaskConfig()).problem(0).prompt
+    assert encoder_for(ModelConfig(name_or_path="tiny"), TaskConfig())(prompt) == CharTokenizer().encode(prompt)
+    ids = encoder_for(ModelConfig(name_or_path="qwen3-0.6b-L2"), TaskConfig())(prompt)
+    assert ids == Qwen3CharTokenizer().encode(prompt) and max(ids) > 65_535
+
+
 def test_restart_on_the_same_redis_replans_nothing(redis_url):
     planner, conn = redis_planner(redis_url)
     planner.plan_ahead()

@@ -1,10 +1,12 @@
-"""Tiny model builder and tokenizers: round trips, folder contents, cache hits, determinism, dispatch.
+"""Model builder and tokenizers: round trips, folder contents, cache hits, determinism, dispatch, the
+real-shape presets' configs and tokenizer, hub names resolved from a local cache offline.
 
-The builds here use a few warm-start steps (seconds); the full default warm start and the vLLM load are
-checked by hand and by the vLLM integration tests.
+The builds here use a few warm-start steps (seconds); the full default warm start, the real-shape build and
+the vLLM load are checked by the vLLM integration tests (test_sampler_engine.py, test_real_shape.py).
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 from rlcommon import tiny_model
 from rlcommon.config import ModelConfig, TaskConfig
 from rlcommon.tasks import TaskSource
-from rlcommon.tokenizer import CHARS, EOS_TOKEN, CharTokenizer, load_tokenizer
+from rlcommon.tokenizer import CHARS, EOS_TOKEN, CharTokenizer, Qwen3CharTokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 FEW_STEPS = 4
@@ -123,14 +125,195 @@ def test_resolve_hub_name_uses_the_download(tmp_path):
 
 
 def test_resolve_hub_name_offline_is_a_clear_error(monkeypatch):
+    from huggingface_hub import constants
+
     def offline(repo_id):
         raise OSError("network is unreachable")
 
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(tiny_model, "_snapshot_download", offline)
     with pytest.raises(
-        ValueError, match=r"could not download hub model 'Qwen/Qwen3-0.6B'.*unreachable.*preset"
+        tiny_model.ModelNotFoundError,
+        match=r"could not download hub model 'Qwen/Qwen3-0.6B'.*unreachable.*not in the Hugging Face cache.*preset",
     ):
         tiny_model.resolve_model(ModelConfig(name_or_path="Qwen/Qwen3-0.6B"), TaskConfig())
+
+
+RESOLVE_HUB_NAME = (
+    "import sys; from rlcommon.config import ModelConfig, TaskConfig; "
+    "from rlcommon.tiny_model import resolve_model; "
+    "print(resolve_model(ModelConfig(name_or_path=sys.argv[1]), TaskConfig())); "
+    "assert 'torch' not in sys.modules, 'torch imported'"
+)
+
+
+def resolve_in_service_process(name: str, hf_home: Path) -> subprocess.CompletedProcess:
+    """`resolve_model` as a service runs it at start-up: a fresh process with HF_HOME and HF_HUB_OFFLINE=1
+    in its environment (huggingface_hub reads both when it is imported)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", RESOLVE_HUB_NAME, name],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_hub_name_resolves_from_the_local_cache_offline(tmp_path):
+    """A snapshot laid out as huggingface_hub does (blobs, snapshots/<rev> of symlinks, refs/main) is what
+    the name resolves to, with no network. The vLLM and transformers loads of it: test_real_shape.py."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "abc").write_text(json.dumps(tiny_model.hub_config("qwen3-0.6b")))
+    (snapshot / "config.json").symlink_to(Path("..", "..", "blobs", "abc"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    done = resolve_in_service_process("Qwen/Qwen3-0.6B", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == snapshot.resolve()
+
+
+def test_missing_hub_model_offline_is_one_clear_error(tmp_path):
+    done = resolve_in_service_process("Qwen/Qwen3-1.7B", tmp_path)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlcommon.tiny_model.ModelNotFoundError: model.name_or_path: hub model 'Qwen/Qwen3-1.7B'")
+    for part in (
+        f"is not in the Hugging Face cache {tmp_path / 'hub'} (HF_HOME={tmp_path})",
+        "HF_HUB_OFFLINE=1 forbids downloading it",
+        "`hf download Qwen/Qwen3-1.7B`",
+        "models--Qwen--Qwen3-1.7B",
+        "local model folder",
+        "qwen3-1.7b-L2",
+    ):
+        assert part in last, part
+    assert "During handling" not in done.stderr and "direct cause" not in done.stderr, "one error, no chain"
+
+
+# ---------------------------------------------------------------------------------------------- real shapes
+
+
+@pytest.mark.parametrize(
+    ("config", "hidden", "intermediate", "non_embedding_billions"),
+    [("qwen3-0.6b", 1024, 3072, 0.44), ("qwen3-1.7b", 2048, 6144, 1.41)],
+)
+def test_hub_configs_are_qwen3(config, hidden, intermediate, non_embedding_billions):
+    """The kept config.json files hold the hub's fields; their sizes are the model cards' parameter counts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    data = tiny_model.hub_config(config)
+    assert data == {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "model_type": "qwen3",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
+    with torch.device("meta"):  # sizes only, no memory
+        model = AutoModelForCausalLM.from_config(tiny_model.preset_config(config))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    non_embedding = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert non_embedding / 1e9 == pytest.approx(non_embedding_billions, abs=0.005)
+
+
+def test_real_shape_presets_change_only_the_number_of_layers():
+    for name, spec in tiny_model.PRESETS.items():
+        if not isinstance(spec, tiny_model.RealShape):
+            continue
+        config = tiny_model.preset_config_json(name)
+        hub = tiny_model.hub_config(spec.config)
+        assert config == hub | {"num_hidden_layers": spec.num_layers or hub["num_hidden_layers"]}, name
+        assert isinstance(tiny_model.preset_tokenizer(name), Qwen3CharTokenizer)
+        assert tiny_model.model_source(name) == "preset"
+    assert tiny_model.preset_config_json("qwen3-0.6b-L2")["num_hidden_layers"] == 2
+    assert tiny_model.preset_config_json("qwen3-0.6b")["num_hidden_layers"] == 28
+    assert isinstance(tiny_model.preset_tokenizer("tiny"), CharTokenizer)
+    with pytest.raises(ValueError, match="not a real-shape preset"):
+        tiny_model.preset_config_json("tiny")
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        tiny_model.preset_tokenizer("huge")
+
+
+def test_real_shape_cache_key_ignores_the_task_and_warm_start():
+    one = tiny_model._settings(
+        "qwen3-0.6b-L2", task_cfg=TaskConfig(), seed=0, warm_start_steps=300, target_reward=0.3
+    )
+    other = tiny_model._settings(
+        "qwen3-0.6b-L2", task_cfg=TaskConfig(difficulty=3), seed=0, warm_start_steps=0, target_reward=0.5
+    )
+    assert one == other and one["config"]["num_hidden_layers"] == 2
+    assert tiny_model._settings("qwen3-0.6b-L2", task_cfg=TaskConfig(), seed=1, warm_start_steps=0,
+                                target_reward=0.3) != one
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer() -> Qwen3CharTokenizer:
+    return Qwen3CharTokenizer()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet=CHARS, max_size=60))
+def test_qwen3_char_tokenizer_round_trip(qwen3_tokenizer, text):
+    ids = qwen3_tokenizer.encode(text)
+    assert len(ids) == len(text)
+    assert qwen3_tokenizer.decode(ids) == text
+
+
+def test_qwen3_char_tokenizer_ids(qwen3_tokenizer):
+    tokenizer = qwen3_tokenizer
+    vocab = tokenizer.vocab  # a 151,936-entry dict: build it once
+    assert tokenizer.vocab_size == len(vocab) == 151_936
+    assert vocab["<|endoftext|>"] == tokenizer.pad_token_id == 151_643
+    assert vocab["<|im_start|>"] == 151_644
+    assert tokenizer.eos_token_ids == [151_645, 151_643] and vocab["<|im_end|>"] == 151_645
+    assert tokenizer.bos_token_id is None  # Qwen3 has none
+    assert tokenizer.encode("A") == [tokenizer.unk_token_id] == [151_669]
+    char_ids = [vocab[c] for c in CHARS]
+    assert char_ids == sorted(char_ids) and char_ids[0] > 1000 and char_ids[-1] < 151_643
+    assert max(tokenizer.encode("12+7=")) > 65_535
+    # Every id decodes (a random init samples any row of its head); text never encodes to a filler word.
+    assert tokenizer.decode([0, 151_935]) == "<t0><t151935>"
+    assert tokenizer.encode("<t0>") == [vocab[c] if c in CHARS else 151_669 for c in "<t0>"]
+    assert tokenizer.encode("<|im_end|>")[0] != 151_645, "special tokens are never parsed from text"
+    assert tokenizer.decode([*tokenizer.encode("12"), 151_645, 151_643]) == "12"
+
+
+def test_qwen3_char_tokenizer_saved_loads_alike(qwen3_tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    qwen3_tokenizer.save(tmp_path)
+    ours = load_tokenizer(tmp_path)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    text = "12+7= rev:abc"
+    assert ours.encode(text) == hf_tokenizer(text)["input_ids"] == qwen3_tokenizer.encode(text)
+    assert hf_tokenizer.decode(ours.encode(text)) == text
+    assert len(hf_tokenizer) == ours.vocab_size == 151_936
+    assert (hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id) == (ours.eos_token_id, ours.pad_token_id)
+    assert ours.encode("<|im_end|>") == qwen3_tokenizer.encode("<|im_end|>")
 
 
 def test_cache_key_settings_follow_the_jsonl_content(tmp_path):
