@@ -26,7 +26,14 @@ from typing import Any
 
 from coordinator.planner import BATCH_STATUSES, BatchCounts, BatchLedger, BatchPlanner, BatchRecord
 from coordinator.samplers import SAMPLER_ID_PATTERN, SamplerRegistry, SamplerView
-from coordinator.stalls import BatchProgress, is_stalled, mark_reissued, missing_slots, track_progress
+from coordinator.stalls import (
+    BatchProgress,
+    is_stalled,
+    mark_reissued,
+    missing_slots,
+    stalled_for,
+    track_progress,
+)
 from coordinator.state import CoordinatorStore, TasksStream
 from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide, describe
 from coordinator.syncs import SyncRecord, SyncTracker, WeightUpdateInfo
@@ -538,7 +545,7 @@ class Coordinator:
                 batch_id,
                 len(filled),
                 num_slots,
-                now - max(progress.changed_at, progress.reissued_at),
+                stalled_for(progress, now=now),
                 len(reissued),
                 reissued[:8],
                 "..." if len(reissued) > 8 else "",
@@ -546,7 +553,7 @@ class Coordinator:
             )
             progress = mark_reissued(progress, now=now)
         self._progress = progress
-        return ProgressAnswer(reissued, now - max(progress.changed_at, progress.reissued_at), record)
+        return ProgressAnswer(reissued, stalled_for(progress, now=now), record)
 
     def report_step(
         self, *, step: int, batch_id: int, weight_version: int, stats: Mapping[str, float]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-__all__ = ["BatchProgress", "track_progress", "is_stalled", "mark_reissued", "missing_slots", "slots_by_group"]
+__all__ = ["BatchProgress", "track_progress", "stalled_for", "is_stalled", "mark_reissued", "missing_slots", "slots_by_group"]
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,17 @@ def track_progress(
     return previous
 
 
+def stalled_for(progress: BatchProgress, *, now: float) -> float:
+    """Seconds since the batch's filled slots last changed or its missing slots were last re-issued."""
+    return now - max(progress.changed_at, progress.reissued_at)
+
+
 def is_stalled(progress: BatchProgress, *, num_slots: int, now: float, stall_s: float) -> bool:
     """Incomplete, and neither filled nor re-issued for `stall_s`."""
     assert stall_s > 0 and num_slots >= 1
     if progress.num_filled >= num_slots:
         return False
-    return now - max(progress.changed_at, progress.reissued_at) >= stall_s
+    return stalled_for(progress, now=now) >= stall_s
 
 
 def mark_reissued(progress: BatchProgress, *, now: float) -> BatchProgress:
