@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.transport --json
 	$(BIN)/python -m benchmarks.trainer_step --json
 	$(BIN)/python -m benchmarks.sampler --json
+	$(BIN)/python -m benchmarks.real_shape --json
 
 proto: $(STAMP)
 	$(BIN)/python -m protos.codegen
