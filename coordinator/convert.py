@@ -88,6 +88,7 @@ def batch_summary_pb(record: BatchRecord) -> pb.BatchSummary:
         complete_at=record.complete_at,
         trained_at=record.trained_at,
         trained_step=record.trained_step,
+        rollouts_by_sampler=record.rollouts_by_sampler,
         num_reissues=record.num_reissues,
         reissued_slots=record.reissued_slots,
     )

@@ -241,6 +241,7 @@ def _format_plan(plan: pb.BatchPlan) -> str:
         + (f", complete {_clock(summary.complete_at)}" if summary.complete_at else "")
         + (
             f", trained {_clock(summary.trained_at)} at step {summary.trained_step}"
+            + (f" (rollouts from {_by_sampler(summary.rollouts_by_sampler)})" if summary.rollouts_by_sampler else "")
             if summary.trained_at
             else ""
         )
@@ -265,6 +266,11 @@ def _format_plan(plan: pb.BatchPlan) -> str:
     return head + "\n\n" + _table(("GROUP", "TASK", "PROMPT#", "TOKENS", "PROMPT", "PAYLOAD"), rows)
 
 
+def _by_sampler(counts) -> str:
+    """`id=n ...` of a batch's rollouts per sampler, most first; "-" before it is trained."""
+    return " ".join(f"{k}={v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
+
+
 def _format_batches(reply: pb.ListBatchesResponse) -> str:
     rows = [
         (
@@ -275,10 +281,11 @@ def _format_batches(reply: pb.ListBatchesResponse) -> str:
             _clock(b.trained_at),
             b.trained_step if b.trained_step >= 0 else "-",
             b.reissued_slots or "-",
+            _by_sampler(b.rollouts_by_sampler),
         )
         for b in reply.batches
     ]
-    headers = ("BATCH", "STATUS", "PLANNED", "COMPLETE", "TRAINED", "STEP", "REISSUED")
+    headers = ("BATCH", "STATUS", "PLANNED", "COMPLETE", "TRAINED", "STEP", "REISSUED", "SAMPLERS")
     table = _table(headers, rows) if rows else "no batches"
     return f"batches: {_counts_line(reply.counts)}\n\n{table}"
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -91,6 +91,8 @@ class BatchRecord:
     """Slots re-issued, summed over the re-issues."""
     reissued_at: float = 0.0
     """Time of the last re-issue (0 = never)."""
+    rollouts_by_sampler: dict[str, int] = field(default_factory=dict)
+    """Rollouts per sampler id in the batch as trained (the trainer's report)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -176,7 +178,9 @@ class BatchLedger:
             self._save(record)
         return record
 
-    def mark_trained(self, batch_id: int, *, step: int, now: float) -> BatchRecord:
+    def mark_trained(
+        self, batch_id: int, *, step: int, now: float, rollouts_by_sampler: Mapping[str, int] | None = None
+    ) -> BatchRecord:
         record = self._records[batch_id]
         if record.status != "trained":
             if not record.complete_at:
@@ -184,6 +188,7 @@ class BatchLedger:
             record.status = "trained"
             record.trained_at = now
             record.trained_step = step
+            record.rollouts_by_sampler = dict(rollouts_by_sampler or {})
             self._save(record)
             self._advance_trained_through()
         return record

@@ -186,6 +186,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             batch_id=request.batch_id,
             weight_version=request.weight_version,
             stats=dict(request.stats),
+            rollouts_by_sampler=dict(request.rollouts_by_sampler),
         )
         return pb.ReportStepResponse(
             publish=answer.decision.publish,

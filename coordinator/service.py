@@ -556,13 +556,21 @@ class Coordinator:
         return ProgressAnswer(reissued, stalled_for(progress, now=now), record)
 
     def report_step(
-        self, *, step: int, batch_id: int, weight_version: int, stats: Mapping[str, float]
+        self,
+        *,
+        step: int,
+        batch_id: int,
+        weight_version: int,
+        stats: Mapping[str, float],
+        rollouts_by_sampler: Mapping[str, int] | None = None,
     ) -> StepAnswer:
-        """Mark `batch_id` trained, plan ahead, and answer whether to publish (see `sync_policy`)."""
+        """Mark `batch_id` trained (with which samplers produced it), plan ahead, and answer whether to
+        publish (see `sync_policy`)."""
         _non_negative("step", step)
         _non_negative("weight_version", weight_version)
         record = self._planned_batch(batch_id)
         clean_stats = self._check_stats(stats)
+        by_sampler = self._check_rollouts_by_sampler(rollouts_by_sampler or {}, record)
         if record.status == "trained" and record.trained_step == step:
             # A retry of a report whose answer was lost, or a trainer that resumed from a checkpoint older
             # than this step and trains it again: the answer it got the first time, nothing recorded twice.
@@ -589,7 +597,7 @@ class Coordinator:
         if self.triggers.pending():
             self.triggers.take()
             self.store.clear_triggers()
-        self.ledger.mark_trained(batch_id, step=step, now=now)
+        self.ledger.mark_trained(batch_id, step=step, now=now, rollouts_by_sampler=by_sampler)
         self._trainer_version = weight_version
         self._last_step = StepReportView(
             step, batch_id, weight_version, clean_stats, decision.publish, decision.reason, now
@@ -618,6 +626,23 @@ class Coordinator:
         last = self._last_step
         reason = last.reason if last is not None and last.step == step else f"step {step} was reported before"
         return StepAnswer(SyncDecision(False, reason), self.published_version + 1, counts)
+
+    @staticmethod
+    def _check_rollouts_by_sampler(counts: Mapping[str, int], record: BatchRecord) -> dict[str, int]:
+        slots = len(record.groups) * record.group_size
+        for sampler_id, n in counts.items():
+            try:
+                _sampler_id(sampler_id)
+            except InvalidArgument as err:
+                raise InvalidArgument("rollouts_by_sampler", err.reason) from None
+            if n < 1:
+                raise InvalidArgument("rollouts_by_sampler", f"{sampler_id!r}: counts must be >= 1, got {n}")
+        if sum(counts.values()) > slots:
+            raise InvalidArgument(
+                "rollouts_by_sampler",
+                f"{sum(counts.values())} rollouts in all, more than batch {record.batch_id}'s {slots} slots",
+            )
+        return dict(counts)
 
     @staticmethod
     def _check_stats(stats: Mapping[str, float]) -> dict[str, float]:

@@ -115,7 +115,14 @@ class SyncRecord(_message.Message):
     def __init__(self, sync_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., state: _Optional[_Union[SyncState, str]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., duration_s: _Optional[float] = ..., expected_samplers: _Optional[_Iterable[str]] = ..., acked_samplers: _Optional[_Iterable[str]] = ..., unhealthy_samplers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchSummary(_message.Message):
-    __slots__ = ("batch_id", "status", "num_groups", "group_size", "planned_at", "complete_at", "trained_at", "trained_step", "num_reissues", "reissued_slots")
+    __slots__ = ("batch_id", "status", "num_groups", "group_size", "planned_at", "complete_at", "trained_at", "trained_step", "num_reissues", "reissued_slots", "rollouts_by_sampler")
+    class RolloutsBySamplerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +133,7 @@ class BatchSummary(_message.Message):
     TRAINED_STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_REISSUES_FIELD_NUMBER: _ClassVar[int]
     REISSUED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_BY_SAMPLER_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     status: BatchStatus
     num_groups: int
@@ -136,7 +144,8 @@ class BatchSummary(_message.Message):
     trained_step: int
     num_reissues: int
     reissued_slots: int
-    def __init__(self, batch_id: _Optional[int] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., num_groups: _Optional[int] = ..., group_size: _Optional[int] = ..., planned_at: _Optional[float] = ..., complete_at: _Optional[float] = ..., trained_at: _Optional[float] = ..., trained_step: _Optional[int] = ..., num_reissues: _Optional[int] = ..., reissued_slots: _Optional[int] = ...) -> None: ...
+    rollouts_by_sampler: _containers.ScalarMap[str, int]
+    def __init__(self, batch_id: _Optional[int] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., num_groups: _Optional[int] = ..., group_size: _Optional[int] = ..., planned_at: _Optional[float] = ..., complete_at: _Optional[float] = ..., trained_at: _Optional[float] = ..., trained_step: _Optional[int] = ..., num_reissues: _Optional[int] = ..., reissued_slots: _Optional[int] = ..., rollouts_by_sampler: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
     __slots__ = ("group_id", "task_id", "prompt_index", "prompt", "num_prompt_tokens", "payload")
@@ -319,7 +328,7 @@ class ReportBatchProgressResponse(_message.Message):
     def __init__(self, reissued_slots: _Optional[_Iterable[int]] = ..., stalled_s: _Optional[float] = ..., batch: _Optional[_Union[BatchSummary, _Mapping]] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("step", "batch_id", "weight_version", "stats")
+    __slots__ = ("step", "batch_id", "weight_version", "stats", "rollouts_by_sampler")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -327,15 +336,24 @@ class ReportStepRequest(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class RolloutsBySamplerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_BY_SAMPLER_FIELD_NUMBER: _ClassVar[int]
     step: int
     batch_id: int
     weight_version: int
     stats: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., batch_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    rollouts_by_sampler: _containers.ScalarMap[str, int]
+    def __init__(self, step: _Optional[int] = ..., batch_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., rollouts_by_sampler: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ReportStepResponse(_message.Message):
     __slots__ = ("publish", "reason", "next_weight_version", "batches")

@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,9 +250,16 @@ class TrainerService:
             self.skipped_batches += 1
         step = self.train_step.step - 1
         stats = {k: float(v) for k, v in result.metrics.items() if isinstance(v, int | float)}
+        by_sampler = Counter(r.sampler_id for r in rollouts)
         reply = self.rpc(
             "ReportStep",
-            pb.ReportStepRequest(step=step, batch_id=batch_id, weight_version=self.train_step.weight_version, stats=stats),
+            pb.ReportStepRequest(
+                step=step,
+                batch_id=batch_id,
+                weight_version=self.train_step.weight_version,
+                stats=stats,
+                rollouts_by_sampler=by_sampler,
+            ),
         )
         synced = None
         if reply.publish:

@@ -409,6 +409,16 @@ def test_batches_are_trained_in_plan_order(server):
     assert err.details().startswith("batch_id: batches are trained in plan order")
 
 
+def test_the_ledger_keeps_which_samplers_produced_a_batch(server):
+    credit = {"sampler-0": B * G - 1, "sampler-1": 1}
+    server.stub.ReportStep(
+        pb.ReportStepRequest(step=1, batch_id=0, stats={"ess_lag": 0.9}, rollouts_by_sampler=credit)
+    )
+    [trained] = server.stub.ListBatches(pb.ListBatchesRequest(status=pb.BATCH_TRAINED)).batches
+    assert dict(trained.rollouts_by_sampler) == credit
+    assert dict(server.stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=0)).plan.summary.rollouts_by_sampler) == credit
+
+
 def test_batch_plan_completion_and_listing(server):
     stub = server.stub
     plan = stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=1)).plan
