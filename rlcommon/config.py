@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
@@ -27,6 +27,7 @@ __all__ = [
     "CorrectionConfig",
     "TrainerConfig",
     "CoordinatorConfig",
+    "PlacementConfig",
     "RunConfig",
     "load_config",
     "parse_overrides",
@@ -278,6 +279,38 @@ class CoordinatorConfig(StrictModel):
         return self
 
 
+def _gpu_ids(value: Any) -> Any:
+    """GPU ids from a list or a comma-separated string ("1,2,3", how an environment variable gives them)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, str):
+        try:
+            return [int(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"expected GPU ids like 0 or 1,2,3, got {value!r}") from None
+    return value
+
+
+class PlacementConfig(StrictModel):
+    """Which GPUs the trainer and each sampler replica use on a node (rlcommon/gpu_placement.py). Off unless
+    `lock_dir` is set (the GPU compose stack sets it; the local launcher and CPU runs leave it off)."""
+
+    lock_dir: str | None = None
+    """Folder shared by a node's sampler replicas where each claims a GPU by a lock file; None: no placement."""
+    trainer_gpus: list[int] = Field(default_factory=lambda: [0])
+    """GPU ids (nvidia-smi's) the trainer uses."""
+    sampler_gpus: list[int] | None = None
+    """GPU ids the sampler replicas share out, one each; None: every visible GPU but the trainer's."""
+
+    _ids = field_validator("trainer_gpus", "sampler_gpus", mode="before")(_gpu_ids)
+
+    @model_validator(mode="after")
+    def _trainer_has_a_gpu(self) -> PlacementConfig:
+        if not self.trainer_gpus:
+            raise ValueError("placement.trainer_gpus is empty: the trainer needs at least one GPU")
+        return self
+
+
 class RunConfig(StrictModel):
     run_dir: str = "runs/default"
     """Folder of this run: logs, metrics.jsonl, checkpoints, published weights, plots."""
@@ -297,6 +330,7 @@ class RunConfig(StrictModel):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
     @model_validator(mode="after")
     def _queue_fits_what_the_trainer_holds(self) -> RunConfig:

@@ -62,6 +62,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def placement_env(cfg: RunConfig, visible: list[int] | None = None) -> dict[str, str]:
+    """compose's GPU placement variables (rlcommon/gpu_placement.py) for the trainer and samplers: on a machine
+    with GPUs and a GPU trainer, the same placement as compose, with the locks in `<run_dir>/gpu-locks`;
+    otherwise off (`placement.lock_dir`, when set, wins)."""
+    from rlcommon.gpu_placement import visible_gpus
+
+    visible = visible_gpus() if visible is None else visible
+    lock_dir = cfg.placement.lock_dir
+    if lock_dir is None and cfg.trainer.device != "cpu" and visible:
+        lock_dir = str(Path(cfg.run_dir).resolve() / "gpu-locks")
+    sampler_gpus = cfg.placement.sampler_gpus
+    return {
+        "DLC_PLACEMENT__LOCK_DIR": lock_dir or "none",
+        "DLC_PLACEMENT__TRAINER_GPUS": ",".join(map(str, cfg.placement.trainer_gpus)),
+        "DLC_PLACEMENT__SAMPLER_GPUS": ",".join(map(str, sampler_gpus)) if sampler_gpus else "none",
+    }
+
+
 def service_specs(
     *,
     cfg: RunConfig,
@@ -85,7 +103,7 @@ def service_specs(
         "DLC_COORDINATOR__PORT": str(coordinator_port),
         "DLC_COORDINATOR__AUTH_TOKEN": cfg.coordinator.auth_token or "",
     }
-    client = {"DLC_COORDINATOR__ADDRESS": f"127.0.0.1:{coordinator_port}"}
+    client = {"DLC_COORDINATOR__ADDRESS": f"127.0.0.1:{coordinator_port}", **placement_env(cfg)}
     specs = [ServiceSpec("coordinator", "coordinator", config_path, {**common, "DLC_COORDINATOR__METRICS_PORT": "0"})]
     for index in range(cfg.num_samplers):
         specs.append(

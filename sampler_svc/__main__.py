@@ -41,6 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sampler: {err}", file=sys.stderr)
         return 2
     setup_logging("sampler", cfg.run_dir)
+    from rlcommon.gpu_placement import PlacementError, place
+
+    try:
+        claim = place("sampler", cfg.placement)  # before vLLM starts CUDA; held until the process exits
+    except PlacementError as err:
+        print(f"sampler: {err}", file=sys.stderr)
+        return 2
+    if claim is not None:
+        logger.info("placement: this replica uses GPU %d (lock %s)", claim.gpu, claim.path)
     try:
         return asyncio.run(serve(cfg))
     except Exception:

@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: {err}", file=sys.stderr)
         return 2
     setup_logging("trainer", cfg.run_dir)
+    from rlcommon.gpu_placement import place
+
+    place("trainer", cfg.placement)  # CUDA_VISIBLE_DEVICES = placement.trainer_gpus when placement is on
     from trainer_svc.service import TrainerService  # torch import after the config is known to be valid
 
     service = TrainerService(cfg)
