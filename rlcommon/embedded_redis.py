@@ -36,7 +36,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from rlcommon.redis_acl import ADMIN_USER
+from rlcommon.redis_acl import ADMIN_USER, default_user_rules
 
 __all__ = ["EmbeddedRedisError", "EmbeddedRedis", "find_redis_server"]
 
@@ -86,7 +86,10 @@ def _server_pid(host: str, port: int, password: str, timeout_s: float) -> int | 
         retry=Retry(NoBackoff(), 0),
     )
     try:
-        return int(client.info("server")["process_id"])
+        pid = int(client.info("server")["process_id"])
+        # INFO answers while the server still loads its append-only file (every other command then gets
+        # BusyLoadingError): not ready until loading is 0.
+        return None if int(client.info("persistence")["loading"]) else pid
     except (redis.RedisError, OSError, KeyError, ValueError):
         return None
     finally:
@@ -204,7 +207,9 @@ class EmbeddedRedis:
         return self
 
     def _write_acl_file(self) -> None:
-        lines = ["user default off resetchannels -@all"]
+        # Off, but with every user's rules: Redis 7 replays the append-only file's transactions as the
+        # default user and drops those it may not run (rlcommon/redis_acl.py).
+        lines = [" ".join(["user", "default", *default_user_rules(self.users)])]
         for name, rules in self.users.items():
             digest = hashlib.sha256(self._passwords[name].encode()).hexdigest()
             lines.append(" ".join(["user", name, "on", f"#{digest}", *rules]))

@@ -7,7 +7,12 @@
 | `coordinator` | every key of the run, `dlc:<run_id>:*` | its state (`coord:*`); XADD/XTRIM tasks |
 | `admin` | every key | everything (operators, the launcher, the tests); only the embedded server has it |
 
-The default user is disabled: a client without credentials gets NOAUTH. Each service user may run only the
+The default user is disabled (`off`): a client without credentials gets NOAUTH, and nobody can log in as it.
+It still holds the union of the service users' rules (`default_user_rules`), because Redis 7 (before
+redis/redis#14545; Debian bookworm's 7.0.15 among them) replays a MULTI/EXEC block of the append-only file
+as the default user and re-checks its permissions at EXEC: with `-@all` every transaction, and every Lua
+script's writes (which Redis 7 logs as MULTI/EXEC), would be dropped on restart without an error to any
+client (seen: a compose `down` + `up` lost the coordinator's published version). Each service user may run only the
 commands the bus and the coordinator's store send (`acl_rules`), on exact keys of its run. Per-key write
 limits use ACL first-argument rules (`+xadd|<key>`: XADD to that key only), which Redis 6.2 and 7 both
 enforce (Redis 7 logs a deprecation warning for each at start-up). The embedded server
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from rlcommon.bus import _counts_key, stream_key
 
-__all__ = ["ADMIN_USER", "SERVICE_USERS", "acl_rules", "service_users"]
+__all__ = ["ADMIN_USER", "SERVICE_USERS", "acl_rules", "default_user_rules", "service_users"]
 
 ADMIN_USER = "admin"
 SERVICE_USERS = ("coordinator", "trainer", "sampler")
@@ -67,3 +72,14 @@ def acl_rules(user: str, run_id: str) -> list[str]:
 def service_users(run_id: str) -> dict[str, list[str]]:
     """Every service user's ACL rules for run `run_id` (what `EmbeddedRedis(users=...)` takes)."""
     return {user: acl_rules(user, run_id) for user in SERVICE_USERS}
+
+
+def default_user_rules(users: dict[str, list[str]]) -> list[str]:
+    """The disabled default user's rules: `off`, then every rule of `users` (what the append-only file of a
+    server with these users can hold, replayed as the default user by Redis 7; see the module docstring)."""
+    merged = _unique([rule for rules in users.values() for rule in rules if rule not in ("resetchannels", "-@all")])
+    # Redis refuses a key or channel pattern after `~*` / `&*`; a command after `+@all` adds nothing.
+    for everything, prefix in (("~*", "~"), ("&*", "&"), ("+@all", "+")):
+        if everything in merged:
+            merged = [r for r in merged if r == everything or not r.startswith(prefix)]
+    return ["off", "resetchannels", "-@all", *merged]

@@ -58,6 +58,25 @@ def test_restart_on_same_port_recovers_data(tmp_path):
     assert (tmp_path / "data" / "redis-server.log").is_file()
 
 
+def test_start_returns_once_the_data_is_loaded(tmp_path):
+    """A restarted server answers INFO while it replays its append-only file and refuses everything else
+    (BusyLoadingError): start() must wait for the load, so the first command after it works."""
+    server = EmbeddedRedis(tmp_path / "data")
+    with server:
+        client = redis.Redis.from_url(server.url)
+        pipe = client.pipeline(transaction=False)
+        for i in range(300_000):
+            pipe.xadd("s", {b"d": b"x" * 64, b"i": i})
+            if i % 10_000 == 9_999:
+                pipe.execute()
+        pipe.execute()
+        client.close()
+    with server:
+        client = redis.Redis.from_url(server.url, retry=Retry(NoBackoff(), 0))
+        assert client.xlen("s") == 300_000  # no BusyLoadingError: the load is over
+        client.close()
+
+
 def test_kill_9_with_appendfsync_always_keeps_every_acknowledged_write(tmp_path):
     server = EmbeddedRedis(tmp_path / "data", appendfsync="always").start()
     client = redis.Redis.from_url(server.url)

@@ -25,7 +25,7 @@ from rlcommon.bus import (
 )
 from rlcommon.config import BusConfig, RedisConfig, RunConfig, load_config
 from rlcommon.embedded_redis import EmbeddedRedis
-from rlcommon.redis_acl import SERVICE_USERS, acl_rules, service_users
+from rlcommon.redis_acl import SERVICE_USERS, acl_rules, default_user_rules, service_users
 from rlcommon.tokenizer import CharTokenizer
 from tests.unit.test_wire import make_rollout
 
@@ -209,3 +209,24 @@ def test_redis_connection_from_config_uses_the_url_credentials(server):
     conn = RedisConnection.from_config(RedisConfig(url=server.url_for("coordinator")))
     assert conn.call(lambda client: client.ping())
     conn.close()
+
+
+def test_the_default_user_is_off_but_may_replay_what_the_services_wrote():
+    """Redis 7 replays the append-only file's MULTI/EXEC blocks as the default user (redis/redis#14541): it
+    holds every service rule so nothing is dropped on restart, and stays off so no client can use them."""
+    rules = default_user_rules(service_users(RUN))
+    assert rules[:3] == ["off", "resetchannels", "-@all"]
+    for user in SERVICE_USERS:
+        assert set(acl_rules(user, RUN)) - {"resetchannels", "-@all"} <= set(rules), user
+    with_admin = default_user_rules({"admin": ["~*", "&*", "+@all"], **service_users(RUN)})
+    assert with_admin == ["off", "resetchannels", "-@all", "~*", "&*", "+@all"]  # Redis refuses ~x after ~*
+
+
+def test_nobody_can_log_in_as_the_default_user(server):
+    anonymous = redis.Redis(port=server.port, protocol=2, retry=Retry(NoBackoff(), 0))
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.xadd(TASKS, {b"d": b"forged"})
+    for password in ("", "nopass", "default"):  # off: no password opens it
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.execute_command("AUTH", "default", password)
+    anonymous.close()
