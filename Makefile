@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: test run experiment bench proto lint clean
+.PHONY: test compose-test run experiment bench proto lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,20 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The compose stack on a real Docker engine (as root): docker/engine.sh installs and starts the engine and the
+# compose plugin and builds local base images (no registry here); docker/build-context.sh hands the image
+# builds the wheels and CA bundle this machine's pip uses. Official base images: pass
+# DLC_PYTHON_IMAGE=python:3.11-slim DLC_REDIS_IMAGE=redis:7.2-alpine.
+DLC_PYTHON_IMAGE ?= dlc-base/python:bookworm
+DLC_REDIS_IMAGE ?= dlc-base/redis:bookworm
+export DLC_PYTHON_IMAGE DLC_REDIS_IMAGE
+
+compose-test: $(STAMP)
+	docker/engine.sh
+	docker/build-context.sh
+	DLC_TORCH_INDEX=$$(ls docker/build-extra/wheels/torch-*.whl >/dev/null 2>&1 || echo https://download.pytorch.org/whl/cpu) \
+		$(BIN)/python -m pytest -s -v tests/compose $(PYTEST_ARGS)
 
 run: $(STAMP)
 	$(BIN)/python -m rlcommon.launcher $(ARGS)

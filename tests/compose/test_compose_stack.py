@@ -1,0 +1,277 @@
+"""The compose stack on a real Docker engine (`make compose-test`; docker/engine.sh prepares the machine).
+
+Builds the images, starts docker-compose.yml + docker-compose.cpu.yml + tests/compose/docker-compose.test.yml
+with `--scale sampler=2`, and checks the running containers with the Docker SDK: both replicas train, dlcctl
+from the host agrees with the trainer's metrics, the Prometheus endpoints answer inside the network, a
+SIGKILLed sampler's tasks go to the other replica while compose restarts it, and `down` + `up` resumes from
+the volumes. The tests run in file order on one stack (each builds on the one before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import docker
+import pytest
+
+pytestmark = pytest.mark.compose
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = os.environ.get("DLC_COMPOSE_PROJECT", "dlc-compose-test")
+FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "tests/compose/docker-compose.test.yml"]
+FIRST_STEPS = 80
+SECOND_STEPS = 100
+RUN_ID = "default"
+B, G = 8, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """One compose project: the `docker compose` CLI for lifecycle, the SDK for inspection and faults."""
+
+    def __init__(self) -> None:
+        try:
+            self.client = docker.from_env()
+            self.client.ping()
+        except Exception as err:  # noqa: BLE001 - any failure to reach the engine means the same thing
+            pytest.fail(f"no Docker engine answers ({err}): run docker/engine.sh as root first (make compose-test does)")
+        self.port = _free_port()
+        self.env = {
+            **os.environ,
+            "DLC_TOKEN": secrets.token_hex(24),
+            "DLC_REDIS_COORDINATOR_PASSWORD": secrets.token_hex(24),
+            "DLC_REDIS_TRAINER_PASSWORD": secrets.token_hex(24),
+            "DLC_REDIS_SAMPLER_PASSWORD": secrets.token_hex(24),
+            "DLC_COORDINATOR_PORT": str(self.port),
+            "DLC_COORDINATOR_METRICS_PORT": str(_free_port()),
+            "DLC_TRAINER_METRICS_PORT": str(_free_port()),
+            "DLC_STEPS": str(FIRST_STEPS),
+        }
+
+    def compose(
+        self, *args: str, timeout: float = 900, check: bool = True, show: bool = False
+    ) -> subprocess.CompletedProcess:
+        """`docker compose ARGS` on this project; `show`: its output goes to the log as it comes (long builds)."""
+        cmd = ["docker", "compose", "-p", PROJECT, *(a for f in FILES for a in ("-f", f)), *args]
+        print(f"$ docker compose {' '.join(args)}", flush=True)
+        out = None if show else subprocess.PIPE
+        proc = subprocess.run(cmd, cwd=REPO, env=self.env, stdout=out, stderr=out, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"docker compose {' '.join(args)} failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
+        return proc
+
+    def containers(self, service: str, *, all: bool = True) -> list:
+        labels = [f"com.docker.compose.project={PROJECT}", f"com.docker.compose.service={service}"]
+        return sorted(self.client.containers.list(all=all, filters={"label": labels}), key=lambda c: c.name)
+
+    def one(self, service: str):
+        [container] = self.containers(service)
+        return container
+
+    def dlcctl(self, *args: str) -> dict:
+        cmd = [sys.executable, "-m", "coordinator.dlcctl", "--address", f"127.0.0.1:{self.port}", *args, "--json"]
+        proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"dlcctl {' '.join(args)}: {proc.stderr}"
+        return json.loads(proc.stdout)
+
+    def trained(self) -> list[dict]:
+        batches, start = [], 0
+        while True:
+            page = self.dlcctl("batches", "--status", "trained", "--start", str(start), "--limit", "100")
+            batches += page.get("batches", [])
+            if len(page.get("batches", [])) < 100:
+                return batches
+            start = batches[-1]["batch_id"] + 1
+
+    def shared_file(self, path: str) -> str:
+        code, out = self.one("coordinator").exec_run(["cat", f"/shared/run/{path}"])
+        assert code == 0, out.decode()
+        return out.decode()
+
+    def metrics_rows(self) -> list[dict]:
+        return [json.loads(line) for line in self.shared_file("metrics.jsonl").splitlines() if line.strip()]
+
+    def redis_cli(self, *args: str) -> list[str]:
+        password = self.env["DLC_REDIS_COORDINATOR_PASSWORD"]
+        cmd = ["redis-cli", "--no-auth-warning", "--user", "coordinator", "--pass", password, *args]
+        code, out = self.one("redis").exec_run(cmd)
+        assert code == 0, out.decode()
+        return out.decode().split()
+
+    def pending_by_consumer(self) -> dict[str, int]:
+        """Tasks delivered to each sampler and not yet acked (XPENDING summary of the samplers' group)."""
+        words = self.redis_cli("XPENDING", f"dlc:{RUN_ID}:tasks", "samplers")
+        pairs = words[3:] if words and words[0] != "0" else []
+        return {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs) - 1, 2)}
+
+    def wait(self, what: str, condition, *, timeout: float, every: float = 1.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            value = condition()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                logs = self.compose("logs", "--no-color", "--tail", "40", check=False).stdout
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs[-8000:]}")
+            time.sleep(every)
+
+    def trainer_done(self) -> bool:
+        state = self.one("trainer").attrs["State"]  # a fresh inspect each call
+        assert not (state["Status"] == "exited" and state["ExitCode"] != 0), f"trainer failed: {state}"
+        return state["Status"] == "exited"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    stack = Stack()
+    stack.compose("down", "-v", "--remove-orphans", check=False)
+    yield stack
+    print(stack.compose("logs", "--no-color", "--tail", "20", check=False).stdout[-6000:])
+    stack.compose("down", "-v", "--remove-orphans", check=False)
+
+
+def _sampler_id(container) -> str:
+    """The id a sampler replica runs under: its hostname and the PID of its main process (1)."""
+    return f"{container.attrs['Config']['Hostname']}-1"
+
+
+def test_images_build_and_are_worth_shipping(stack):
+    t0 = time.monotonic()
+    stack.compose("--progress", "plain", "build", timeout=1800, show=True)
+    print(f"images built in {time.monotonic() - t0:.0f} s")
+    for name in ("dlc-rl/cpu:latest", "dlc-rl/coordinator:latest", "dlc-rl/redis:latest"):
+        image = stack.client.images.get(name)
+        config = image.attrs["Config"]
+        print(f"{name}: {image.attrs['Size'] / 1e9:.2f} GB, user {config.get('User')!r}")
+        assert config.get("User") not in (None, "", "root", "0"), f"{name} runs as root"
+        assert config.get("Healthcheck", {}).get("Test"), f"{name} has no HEALTHCHECK"
+    # The build context's extras (CA bundle, wheels) stay in the build stage.
+    files = stack.client.containers.run("dlc-rl/cpu:latest", ["sh", "-c", "ls /build-extra 2>&1; id -u"], remove=True)
+    assert b"No such file" in files and files.split()[-1] != b"0"
+
+
+def test_two_sampler_replicas_train_together(stack):
+    stack.compose("up", "-d", "--scale", "sampler=2", timeout=900)
+    samplers = stack.containers("sampler")
+    assert len(samplers) == 2
+    ids = {_sampler_id(c) for c in samplers}
+
+    def both_contributed():
+        credited = Counter()
+        for b in stack.trained():
+            credited.update(b.get("rollouts_by_sampler", {}))
+        return set(credited) == ids and len(stack.trained()) >= 10
+
+    stack.wait("10 trained batches with rollouts from both replicas", both_contributed, timeout=600)
+    print(stack.compose("ps", "--format", "table {{.Name}}\t{{.Status}}\t{{.Ports}}").stdout)
+    for c in stack.containers("sampler") + [stack.one("trainer"), stack.one("coordinator")]:
+        c.reload()
+        assert c.attrs["State"]["Health"]["Status"] == "healthy", (c.name, c.attrs["State"]["Health"])
+
+
+def test_dlcctl_from_the_host_agrees_with_the_trainer(stack):
+    trained = {b["batch_id"]: b for b in stack.trained()}
+    rows = {r["batch_id"]: r for r in stack.metrics_rows()}
+    common = sorted(set(trained) & set(rows))
+    assert len(common) >= 10
+    for k in common:
+        assert trained[k]["trained_step"] == rows[k]["step"], k
+    status = stack.dlcctl("status")
+    assert status["run_id"] == RUN_ID and status["batch_size"] == B and status["group_size"] == G
+    assert {s["sampler_id"] for s in status["samplers"]} == {_sampler_id(c) for c in stack.containers("sampler")}
+    # Changing the run needs the token: without it the coordinator refuses a sync trigger.
+    env = {k: v for k, v in stack.env.items() if k != "DLC_TOKEN"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator.dlcctl", "--address", f"127.0.0.1:{stack.port}", "sync", "--reason", "x"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1 and "UNAUTHENTICATED" in proc.stderr + proc.stdout
+
+
+def test_prometheus_endpoints_answer_inside_the_network(stack):
+    probe = (
+        "import sys, urllib.request\n"
+        "for url in sys.argv[1:]:\n"
+        "    body = urllib.request.urlopen(url, timeout=10).read().decode()\n"
+        "    print(url, len(body), 'dlc_' in body)\n"
+    )
+    targets = ["http://localhost:9100/metrics", "http://trainer:9101/metrics"]
+    for c in stack.containers("sampler"):
+        ip = c.attrs["NetworkSettings"]["Networks"][f"{PROJECT}_internal"]["IPAddress"]
+        targets.append(f"http://{ip}:9102/metrics")
+    code, out = stack.one("coordinator").exec_run(["python", "-c", probe, *targets])
+    print(out.decode())
+    assert code == 0 and out.decode().count("True") == len(targets), out.decode()
+
+
+def test_a_killed_sampler_is_replaced_and_nothing_is_lost(stack):
+    victim, survivor = stack.containers("sampler")
+    victim_id, survivor_id = _sampler_id(victim), _sampler_id(survivor)
+    stack.wait(f"{victim_id} holding tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) > 0, timeout=120, every=0.2)
+    before = len(stack.trained())
+    pid = victim.attrs["State"]["Pid"]
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)  # the main process dies as in an OOM kill; compose did not stop it
+    print(f"kill -9 {victim.name} (host pid {pid}) at {before} trained batches")
+    pending = stack.pending_by_consumer().get(victim_id, 0)
+
+    stack.wait(f"{survivor_id} claiming {victim_id}'s tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) == 0, timeout=300)
+    [record] = [s for s in stack.dlcctl("status")["samplers"] if s["sampler_id"] == victim_id]
+    assert record["registered_at"] < killed_at, "the restarted replica took its tasks back itself"
+    print(f"{pending} tasks pending at {victim_id} went to {survivor_id} (the killed replica not yet back)")
+
+    def restarted_and_acked():
+        victim.reload()
+        if victim.attrs["RestartCount"] < 1 or victim.attrs["State"]["Status"] != "running":
+            return False
+        status = stack.dlcctl("status")
+        me = [s for s in status["samplers"] if s["sampler_id"] == victim_id]
+        return me and me[0]["health"] == "SAMPLER_HEALTHY" and me[0]["weight_version"] == status["published_version"]
+
+    stack.wait("compose restarting the killed replica, and it acking the current version", restarted_and_acked, timeout=600)
+    victim.reload()
+    print(f"{victim.name}: restarts {victim.attrs['RestartCount']}, status {victim.attrs['State']['Status']}")
+    stack.wait(f"the trainer finishing {FIRST_STEPS} steps", stack.trainer_done, timeout=900)
+    trained = stack.trained()
+    assert [b["batch_id"] for b in trained] == list(range(FIRST_STEPS))
+    assert all(sum(b["rollouts_by_sampler"].values()) == B * G for b in trained)
+    rows = stack.metrics_rows()
+    assert sorted(r["batch_id"] for r in rows) == list(range(FIRST_STEPS))  # each batch trained once
+
+
+def test_down_and_up_resumes_from_the_volumes(stack):
+    first = {r["batch_id"]: r["step"] for r in stack.metrics_rows()}
+    before = stack.dlcctl("status")
+    assert before["published_version"] >= 1 and before["queues"].get("deadletter", 0) == 0
+    stack.compose("down", timeout=300)
+    assert not stack.containers("trainer")
+    stack.env["DLC_STEPS"] = str(SECOND_STEPS)
+    stack.compose("up", "-d", "--scale", "sampler=2", timeout=900)
+    # Redis replays its append-only file, transactions included: the coordinator resumes what it published.
+    after = stack.dlcctl("status")
+    assert after["published_version"] == before["published_version"], (before, after)
+    assert after["num_syncs"] == before["num_syncs"]
+    stack.wait(f"the trainer finishing {SECOND_STEPS} steps", stack.trainer_done, timeout=900)
+    rows = stack.metrics_rows()
+    assert sorted(r["batch_id"] for r in rows) == list(range(SECOND_STEPS))  # none twice, none missing
+    assert {r["batch_id"]: r["step"] for r in rows if r["batch_id"] in first} == first
+    assert [b["batch_id"] for b in stack.trained()] == list(range(SECOND_STEPS))
+    assert stack.dlcctl("status")["queues"].get("deadletter", 0) == 0  # no rollout refused after the restart
+    logs = stack.compose("logs", "--no-color", "trainer").stdout
+    assert re.search(rf"resumed from .*: step {FIRST_STEPS}, ", logs), "the trainer's log shows no resume"
+    assert re.search(rf"step {SECOND_STEPS - 1} batch {SECOND_STEPS - 1}", logs)  # logs go to stdout/stderr
