@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from trainer_svc.batch import TrainBatch
 
-__all__ = ["ResponseLogprobs", "batch_logprobs", "chunked_head_logprobs", "response_logprobs"]
+__all__ = ["LogprobsModule", "ResponseLogprobs", "batch_logprobs", "chunked_head_logprobs", "response_logprobs"]
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 26
 """Logits per chunk when no chunk size is given: 64 Mi float32 values (256 MiB)."""
@@ -179,3 +179,17 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         if need_bias:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+class LogprobsModule(nn.Module):
+    """`batch_logprobs` of the wrapped causal LM as a module call: what `torch.func.functional_call` swaps weights
+    through, and the root FSDP2 shards (its forward runs the decoder and the LM head, which the causal LM's own
+    forward would not: `response_logprobs` calls them directly)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: TrainBatch, *, with_topk: bool, chunk_tokens: int | None = None) -> ResponseLogprobs:
+        return batch_logprobs(self.model, batch, with_topk=with_topk, chunk_tokens=chunk_tokens)
+

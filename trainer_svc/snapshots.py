@@ -6,6 +6,11 @@ start); the model then *is* that version (`live_version`) until its next optimiz
 an older version gets one no-grad forward with the snapshot swapped in (`torch.func.functional_call`: no
 second model in memory). `release_below(min_version)` drops what no planned batch can need any more.
 
+A model sharded by FSDP2 (trainer_svc/parallel.py) keeps its snapshots sharded the same way (each rank its
+shards of each version: the copies are DTensors). functional_call cannot swap FSDP2's weights (its forward
+all-gathers from its own shard buffers), so the snapshot's shards are copied into the model's shards for
+the forward and the current ones copied back after it (one more copy of this rank's shards meanwhile).
+
 A snapshot holds each distinct tensor of the model once, under its first name: a model with tied embeddings
 (Qwen3-0.6B/1.7B/4B: `lm_head.weight` is `model.embed_tokens.weight`) keeps the embedding once, and
 functional_call (tie_weights=True) gives the kept tensor to every name tied to it. Two copies of a tied
@@ -21,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from trainer_svc.batch import TrainBatch
-from trainer_svc.logprobs import ResponseLogprobs, batch_logprobs
+from trainer_svc.logprobs import LogprobsModule, ResponseLogprobs
+from trainer_svc.parallel import is_sharded, reshard
 
 __all__ = ["MissingVersionError", "VersionSnapshots", "distinct_weights"]
 
@@ -40,17 +46,6 @@ def distinct_weights(model: nn.Module) -> dict[str, Tensor]:
 
 class MissingVersionError(LookupError):
     """A rollout's weight version has no kept snapshot (released too early, or never published here)."""
-
-
-class _LogprobsForward(nn.Module):
-    """`batch_logprobs` as a module call, so functional_call can swap the wrapped model's weights."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: TrainBatch, **kwargs: Any) -> ResponseLogprobs:
-        return batch_logprobs(self.model, batch, **kwargs)
 
 
 class VersionSnapshots:
@@ -115,9 +110,16 @@ class VersionSnapshots:
     # ------------------------------------------------------------------------------------------- log-probs
 
     def logprobs_at(
-        self, version: int, batch: TrainBatch, *, model: nn.Module, with_topk: bool = False
+        self,
+        version: int,
+        batch: TrainBatch,
+        *,
+        model: nn.Module,
+        with_topk: bool = False,
+        forward: LogprobsModule | None = None,
     ) -> ResponseLogprobs:
-        """No-grad log-probs of every row of `batch` under the weights of `version` (one forward)."""
+        """No-grad log-probs of every row of `batch` under the weights of `version` (one forward). `forward`: the
+        LogprobsModule around `model` to call (required for a sharded model: the FSDP2 root)."""
         if version not in self._weights:
             raise MissingVersionError(
                 f"no snapshot of weight version {version} (kept: {self.versions}); it was released "
@@ -128,28 +130,64 @@ class VersionSnapshots:
         if device != self.storage_device:
             weights = {name: tensor.to(device, non_blocking=True) for name, tensor in weights.items()}
         kwargs = dict(with_topk=with_topk, chunk_tokens=self.chunk_tokens)
-        wrapper = _LogprobsForward(model)
+        if is_sharded(model):
+            assert forward is not None, "a sharded model's forward goes through its FSDP2 root"
+            return self._sharded_logprobs(model, forward, weights, batch.to(device), kwargs)
+        wrapper = LogprobsModule(model)
         with torch.no_grad():
             return torch.func.functional_call(
                 wrapper, {f"model.{k}": v for k, v in weights.items()}, (batch.to(device),), kwargs
             )
 
+    @staticmethod
+    def _sharded_logprobs(
+        model: nn.Module,
+        forward: LogprobsModule,
+        weights: Mapping[str, Tensor],
+        batch: TrainBatch,
+        kwargs: dict[str, Any],
+    ) -> ResponseLogprobs:
+        """The forward of an FSDP2 model at a kept version: its shards copied in, the current ones back after."""
+        live = distinct_weights(model)
+        with torch.no_grad():
+            current = {name: live[name].to_local().clone() for name in weights}
+            try:
+                for name, tensor in weights.items():
+                    live[name].to_local().copy_(tensor.to_local())
+                reshard(forward)
+                return forward(batch, **kwargs)
+            finally:
+                for name, tensor in current.items():
+                    live[name].to_local().copy_(tensor)
+                reshard(forward)  # the root's gathered weights are the version's: drop them
+
     def version_logprobs(
-        self, batch: TrainBatch, *, model: nn.Module, current: ResponseLogprobs
+        self,
+        batch: TrainBatch,
+        *,
+        model: nn.Module,
+        current: ResponseLogprobs,
+        versions: list[int] | None = None,
+        forward: LogprobsModule | None = None,
     ) -> ResponseLogprobs:
         """l^v for every row at its own weight version (and at the top-K ids when `current` has them).
 
         Rows of the live version reuse `current` (detached, no forward); each older version costs one
-        no-grad forward on its rows.
+        no-grad forward on its rows. `versions`: the versions to run a forward for (default: the batch's). A
+        sharded model's forwards are collectives, so each rank passes the versions of the *whole* batch and
+        runs a forward for each, on one of its rows (result unused) when it holds none of that version.
         """
         with_topk = current.logp_topk is not None
         logp = current.logp.detach().clone()
         logp_topk = current.logp_topk.detach().clone() if with_topk else None
-        for version in torch.unique(batch.weight_versions).tolist():
+        for version in versions if versions is not None else torch.unique(batch.weight_versions).tolist():
             if self.is_live(version):
                 continue
             rows = (batch.weight_versions == version).nonzero().squeeze(1)
-            result = self.logprobs_at(version, batch.select(rows), model=model, with_topk=with_topk)
+            if len(rows) == 0:
+                self.logprobs_at(version, batch.select(torch.arange(1)), model=model, with_topk=with_topk, forward=forward)
+                continue
+            result = self.logprobs_at(version, batch.select(rows), model=model, with_topk=with_topk, forward=forward)
             rows = rows.to(logp.device)
             logp[rows] = result.logp
             if with_topk:

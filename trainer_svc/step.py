@@ -20,6 +20,10 @@ a model whose weights are not float32.
 `micro_batch_rows` splits the forward/backward into micro-batches of rows (gradient accumulation) without
 changing the step: a no-grad pass gives every row's log-probs, and each micro-batch then back-propagates
 the whole batch's loss through its own rows only.
+
+With `parallel` (a `DataParallel`: `trainer.parallel.dp_shard` ranks under torchrun) the model is sharded by
+FSDP2 and each rank runs the forward/backward of its own rows of the batch; the whole batch's log-probs are
+all-gathered, so the loss, its statistics and the step are the one-process step's (trainer_svc/parallel.py).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from trainer_svc.corrections import (
     dual_update,
     policy_loss,
 )
-from trainer_svc.logprobs import ResponseLogprobs, batch_logprobs
+from trainer_svc.logprobs import LogprobsModule, ResponseLogprobs
+from trainer_svc.parallel import DataParallel, full_value
 from trainer_svc.snapshots import VersionSnapshots
 
 __all__ = ["StepResult", "TrainStep"]
@@ -70,6 +75,7 @@ class TrainStep:
         config: TrainerConfig,
         snapshots: VersionSnapshots | None = None,
         pad_id: int = 0,
+        parallel: DataParallel | None = None,
     ):
         low_precision = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
         if low_precision:
@@ -78,11 +84,22 @@ class TrainStep:
                 "on bf16 weights rounds small updates away); load the model in float32 and set trainer.dtype = "
                 "'bfloat16' for bf16 compute"
             )
-        self.model = model
         self.config = config
         self.pad_id = pad_id
+        self.parallel = parallel
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if parallel is not None:
+            if config.micro_batch_rows is not None:
+                raise ValueError(
+                    "trainer.micro_batch_rows with trainer.parallel.dp_shard > 1 is not supported yet: each rank "
+                    "already runs only its share of the batch's rows"
+                )
+        self.forward_module = LogprobsModule(model)
+        """What computes the log-probs: the FSDP2 root of a sharded model."""
+        if parallel is not None:
+            self.forward_module = parallel.shard(self.forward_module, bf16=config.dtype == "bfloat16")
+        self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.correction_state = CorrectionState(lam=config.correction.dual_lambda_init)
         self.step = 0
@@ -121,7 +138,9 @@ class TrainStep:
         self.model.train()
         micro = self.config.micro_batch_rows
         splits = None if micro is None or micro >= batch.batch_size else torch.arange(batch.batch_size).split(micro)
-        if splits is None:
+        if self.parallel is not None:
+            current, version = self._parallel_logprobs(batch, with_topk=needs_topk)
+        elif splits is None:
             current = self._logprobs(batch, with_topk=needs_topk)
         else:
             # The whole batch's loss, one micro-batch of rows carrying the gradient at a time: the other rows'
@@ -133,8 +152,9 @@ class TrainStep:
                 logp=torch.cat([p.logp for p in parts]),
                 logp_topk=torch.cat([p.logp_topk for p in parts]) if needs_topk else None,
             )
-        with self._autocast():
-            version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
+        if self.parallel is None:
+            with self._autocast():
+                version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
         loss, loss_metrics = self._loss(batch, current, version)
 
         skip_reason = None
@@ -143,12 +163,14 @@ class TrainStep:
         if not torch.isfinite(loss):
             skip_reason = f"non-finite loss {float(loss.detach())}"
         else:
-            if splits is None:
+            if self.parallel is not None:
+                self.parallel.backward(loss)
+            elif splits is None:
                 loss.backward()
             else:
                 for rows in splits:
                     self._micro_backward(batch, rows, current, version)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+            grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)))
             if not math.isfinite(grad_norm):
                 skip_reason = f"non-finite gradient norm {grad_norm}"
         if skip_reason is None:
@@ -191,11 +213,32 @@ class TrainStep:
         device_type = next(self.model.parameters()).device.type
         return torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.config.dtype == "bfloat16")
 
+    def _parallel_logprobs(
+        self, batch: TrainBatch, *, with_topk: bool
+    ) -> tuple[ResponseLogprobs, ResponseLogprobs]:
+        """The whole batch's current log-probs (this rank's rows carrying the gradient) and version log-probs,
+        from forwards on this rank's rows only (see trainer_svc/parallel.py)."""
+        assert self.parallel is not None
+        n = batch.batch_size
+        local = batch.select(self.parallel.rows(n))
+        mine = self._logprobs(local, with_topk=with_topk)
+        versions = torch.unique(batch.weight_versions).tolist()  # the whole batch's: the forwards are collectives
+        with self._autocast():
+            mine_version = self.snapshots.version_logprobs(
+                local, model=self.model, current=mine, versions=versions, forward=self.forward_module
+            )
+
+        def gathered(part: ResponseLogprobs) -> ResponseLogprobs:
+            return ResponseLogprobs(
+                logp=self.parallel.gather_rows(part.logp, n),
+                logp_topk=None if part.logp_topk is None else self.parallel.gather_rows(part.logp_topk, n),
+            )
+
+        return gathered(mine), gathered(mine_version)
+
     def _logprobs(self, batch: TrainBatch, *, with_topk: bool) -> ResponseLogprobs:
         with self._autocast():
-            return batch_logprobs(
-                self.model, batch, with_topk=with_topk, chunk_tokens=self.config.logits_chunk_tokens
-            )
+            return self.forward_module(batch, with_topk=with_topk, chunk_tokens=self.config.logits_chunk_tokens)
 
     def _loss(
         self, batch: TrainBatch, current: ResponseLogprobs, version: ResponseLogprobs

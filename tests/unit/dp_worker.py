@@ -1,0 +1,99 @@
+"""One rank of tests/unit/test_data_parallel.py, started by torchrun: `python -m torch.distributed.run
+--standalone --nproc-per-node N tests/unit/dp_worker.py OUT.json METHOD...`.
+
+For each method and both embeddings (tied, untied), a one-process TrainStep and an FSDP2 TrainStep over the N
+ranks start from the same weights and take the three steps of `stale_batches` (fresh rollouts, version-0
+rollouts after the model moved, versions 0 and 1 mixed). At each step both compute the step from identical
+state: the gradients AdamW applies (the sharded ones all-gathered) and the metrics are recorded, then the
+one-process trainer takes the sharded one's weights and AdamW state, so that the next step starts identical
+again (after AdamW, m / sqrt(v) turns a last-bit gradient difference of a near-zero entry into an O(lr) one:
+weights compared after it would test Adam, not the claim). Rank 0 writes what it saw to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rlcommon.config import TrainerConfig  # noqa: E402
+from tests.unit.test_step import stale_batches  # noqa: E402
+from tests.unit.trainer_helpers import tiny_model  # noqa: E402
+from trainer_svc.parallel import DataParallel, full_value  # noqa: E402
+from trainer_svc.step import TrainStep  # noqa: E402
+
+
+def step_with_gradients(train_step: TrainStep, rollouts) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The gradients the optimizer applies in this step (whole tensors), and the step's metrics."""
+    grads: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in train_step.model.named_parameters()}
+
+    def capture(optimizer, *_):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grads[names[id(p)]] = full_value(p.grad.detach()).clone()
+
+    handle = train_step.optimizer.register_step_pre_hook(capture)
+    try:
+        result = train_step.train_on(rollouts)
+    finally:
+        handle.remove()
+    assert not result.skipped, result.skip_reason
+    return grads, result.metrics
+
+
+@torch.no_grad()
+def take_state(plain: TrainStep, sharded: TrainStep) -> None:
+    """The one-process trainer takes the sharded trainer's weights and AdamW moments."""
+    sharded_params = dict(sharded.model.named_parameters())
+    for name, p in plain.model.named_parameters():
+        q = sharded_params[name]
+        p.copy_(full_value(q))
+        mine, theirs = plain.optimizer.state[p], sharded.optimizer.state[q]
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine[key].copy_(full_value(theirs[key]))
+        mine["step"].copy_(full_value(theirs["step"]))
+
+
+def compare(method: str, tied: bool, dp: DataParallel) -> dict:
+    config = TrainerConfig(method=method)
+    plain = TrainStep(tiny_model(tied=tied), config=config)
+    sharded = TrainStep(tiny_model(tied=tied), config=config, parallel=dp)
+    steps = []
+    for index, rollouts in enumerate(stale_batches()):
+        if index == 2:
+            plain.mark_published(1)
+            sharded.mark_published(1)
+        want_grads, want_metrics = step_with_gradients(plain, rollouts)
+        got_grads, got_metrics = step_with_gradients(sharded, rollouts)
+        steps.append({
+            "grad_names": sorted(got_grads) == sorted(want_grads),
+            # each tensor's largest difference, in units of that tensor's largest gradient entry
+            "grad_err": {
+                n: float((got_grads[n] - g).abs().max()) / max(float(g.abs().max()), 1e-30) for n, g in want_grads.items()
+            },
+            "want": {k: v for k, v in want_metrics.items() if not k.endswith("time_s")},
+            "got": {k: v for k, v in got_metrics.items() if not k.endswith("time_s")},
+            "sharded_params": sum(type(p).__name__ == "DTensor" for p in sharded.model.parameters()),
+            "local_numel": sum(p.to_local().numel() for p in sharded.model.parameters()),
+            "full_numel": sum(p.numel() for p in plain.model.parameters()),
+        })
+        take_state(plain, sharded)
+    return {"method": method, "tied": tied, "steps": steps}
+
+
+def main(out: str, methods: list[str]) -> None:
+    dp = DataParallel.init("cpu")
+    results = [compare(method, tied, dp) for method in methods for tied in (False, True)]
+    if dp.rank == 0:
+        Path(out).write_text(json.dumps({"world": dp.world, "results": results}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

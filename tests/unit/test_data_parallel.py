@@ -1,0 +1,52 @@
+"""The trainer sharded by FSDP2 over 2 gloo ranks (trainer_svc/parallel.py) computes the one-process step:
+every method, tied and untied embeddings, fresh, stale and mixed-version rollouts (tests/unit/dp_worker.py
+runs under torchrun and compares, at each step from identical state, the gradients AdamW applies and the
+step's metrics)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlcommon.config import METHODS
+from tests.unit.test_step import F32_GRAD_RTOL
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("dp") / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests/unit/dp_worker.py"), str(out), *METHODS]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_two_ranks_hold_half_the_weights_each(two_ranks):
+    assert two_ranks["world"] == 2
+    for result in two_ranks["results"]:
+        step = result["steps"][0]
+        assert step["sharded_params"] == (13 if result["tied"] else 14)  # every parameter a DTensor, tied once
+        assert step["local_numel"] == step["full_numel"] // 2
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_ranks_take_the_one_process_step(two_ranks, method):
+    results = [r for r in two_ranks["results"] if r["method"] == method]
+    assert {r["tied"] for r in results} == {False, True}
+    for result in results:
+        assert len(result["steps"]) == 3  # fresh, stale, mixed versions
+        for index, step in enumerate(result["steps"]):
+            where = f"{method} tied={result['tied']} step {index}"
+            assert step["grad_names"], where
+            worst = max(step["grad_err"], key=step["grad_err"].get)
+            assert step["grad_err"][worst] <= F32_GRAD_RTOL, f"{where}: {worst} off by {step['grad_err'][worst]:.2e}"
+            assert step["got"].keys() == step["want"].keys(), where
+            for key, want in step["want"].items():
+                assert step["got"][key] == pytest.approx(want, rel=1e-5, abs=1e-6, nan_ok=True), f"{where}: {key}"
