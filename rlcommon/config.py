@@ -25,6 +25,7 @@ __all__ = [
     "WireLimits",
     "SamplerConfig",
     "CorrectionConfig",
+    "ParallelConfig",
     "TrainerConfig",
     "CoordinatorConfig",
     "PlacementConfig",
@@ -186,6 +187,14 @@ class CorrectionConfig(StrictModel):
         return self
 
 
+class ParallelConfig(StrictModel):
+    dp_shard: int = Field(1, ge=1)
+    """Trainer ranks the model, its gradients, AdamW state and kept versions are sharded over (FSDP2, one process
+    per rank under torchrun, which `python -m trainer_svc` starts by itself when this is > 1). Each rank trains
+    its share of every batch's rows; the step is the one-process step (trainer_svc/parallel.py). NCCL on CUDA
+    (one GPU per rank), gloo on the CPU."""
+
+
 class TrainerConfig(StrictModel):
     method: Method = "dlc"
     """Policy-loss correction, one of: naive tis mis center ppo decoupled_ppo m2po vcpo dlc dual."""
@@ -222,6 +231,17 @@ class TrainerConfig(StrictModel):
     """Prometheus port (None = off, 0 = pick a free one)."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     """Constants of the corrections."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """How the trainer is split over processes."""
+
+    @model_validator(mode="after")
+    def _parallel_settings_fit(self) -> TrainerConfig:
+        if self.parallel.dp_shard > 1 and self.micro_batch_rows is not None:
+            raise ValueError(
+                "trainer.micro_batch_rows is not supported with trainer.parallel.dp_shard > 1 yet (each rank already "
+                "runs only its share of the rows); unset one of them"
+            )
+        return self
 
 
 class CoordinatorConfig(StrictModel):
@@ -346,6 +366,16 @@ class RunConfig(StrictModel):
                 f"x group_size = ({self.trainer.checkpoint_every} - 1 + {c.max_inflight_batches}) x "
                 f"{c.batch_size} x {c.group_size}): the samplers would wait for room forever; raise "
                 f"bus.max_queue_depth or lower trainer.checkpoint_every"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_gpu_per_trainer_rank(self) -> RunConfig:
+        shards, gpus = self.trainer.parallel.dp_shard, self.placement.trainer_gpus
+        if self.placement.lock_dir is not None and self.trainer.device.startswith("cuda") and shards != len(gpus):
+            raise ValueError(
+                f"trainer.parallel.dp_shard = {shards} ranks need as many GPUs, but placement.trainer_gpus is {gpus} "
+                f"(compose: DLC_TRAINER_GPUS=<{shards} ids> with DLC_TRAINER_SHARDS={shards})"
             )
         return self
 

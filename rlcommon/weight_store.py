@@ -90,11 +90,13 @@ def publish_version(
     weight_version: int,
     step: int,
     source_dir: str | os.PathLike[str] | None = None,
+    state_dict: dict[str, Any] | None = None,
 ) -> PublishedVersion:
     """Write the weights of `model` (a transformers PreTrainedModel) as version `weight_version`, atomically.
 
     Tokenizer and other non-weight files are copied from `source_dir` (the model folder the run started
-    from). Raises WeightsError if the version already exists.
+    from). `state_dict`: the whole tensors to write instead of the model's own (a sharded trainer gathers
+    them on one rank). Raises WeightsError if the version already exists.
     """
     if weight_version < 0:
         raise ValueError(f"weight_version must be >= 0, got {weight_version}")
@@ -105,7 +107,7 @@ def publish_version(
         raise WeightsError(f"{final}: weight version {weight_version} is already published")
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=publish_root))
     try:
-        _save_model(model, tmp)
+        _save_model(model, tmp, state_dict=state_dict)
         if source_dir is not None:
             for source in sorted(Path(source_dir).iterdir()):
                 if source.is_file() and source.name not in _WRITTEN_BY_MODEL and not _NOT_COPIED.search(source.name):
@@ -126,14 +128,14 @@ def publish_version(
     )
 
 
-def _save_model(model: Any, folder: Path) -> None:
+def _save_model(model: Any, folder: Path, *, state_dict: dict[str, Any] | None = None) -> None:
     """model.save_pretrained (safetensors, tied weights and checkpoint key format handled), without progress bars."""
     from transformers.utils import logging as hf_logging
 
     bars_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
     finally:
         if bars_enabled:
             hf_logging.enable_progress_bar()

@@ -1,8 +1,15 @@
-"""`python -m trainer_svc --config FILE [--a.b VALUE ...]`: run the trainer service."""
+"""`python -m trainer_svc --config FILE [--a.b VALUE ...]`: run the trainer service.
+
+With `trainer.parallel.dp_shard = N > 1` it starts itself again under torchrun (`--standalone
+--nproc-per-node N`, unless torchrun already started it): rank 0 runs the service, ranks 1..N-1 follow it
+(trainer_svc/ranks.py). A stop signal reaches every rank; rank 0 finishes the current step, checkpoints and
+tells the others to stop.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -18,30 +25,68 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"trainer: {err}", file=sys.stderr)
         return 2
-    setup_logging("trainer", cfg.run_dir)
+    shards = cfg.trainer.parallel.dp_shard
+    if shards > 1 and "RANK" not in os.environ:  # not under torchrun yet: become torchrun
+        args = sys.argv[1:] if argv is None else list(argv)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={shards}",
+                   "-m", "trainer_svc", *args]
+        os.execv(sys.executable, command)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != shards:
+        print(f"trainer: started as {world} ranks (WORLD_SIZE) but trainer.parallel.dp_shard is {shards}; "
+              f"use torchrun --nproc-per-node {shards}, or let python -m trainer_svc start it", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging("trainer" if rank == 0 else f"trainer-rank{rank}", cfg.run_dir)
     from rlcommon.gpu_placement import place
 
     place("trainer", cfg.placement)  # CUDA_VISIBLE_DEVICES = placement.trainer_gpus when placement is on
-    from trainer_svc.service import TrainerService  # torch import after the config is known to be valid
+    from trainer_svc.parallel import DataParallel  # torch import after the config is known to be valid
 
-    service = TrainerService(cfg)
+    parallel = DataParallel.init(cfg.trainer.device) if shards > 1 else None
+    if parallel is not None and parallel.rank > 0:
+        return follow(cfg, parallel)
+    from trainer_svc.service import TrainerService
+
+    service = TrainerService(cfg, parallel)
 
     def on_signal(signum, _frame):
         logger.info("signal %d: stopping after the current step", signum)
-        service._stopping = True
+        service.request_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    failed = True
     try:
         service.start()
         service.run()
         service.finish()
+        failed = False
     except Exception:
         logger.exception("trainer failed")
         return 1
     finally:
         if hasattr(service, "metrics"):
-            service.stop()
+            # After a failure the other ranks may be inside an operation rank 0 left: no stop for them (they
+            # would wait for it forever); torchrun ends them when rank 0 exits non-zero.
+            service.stop(announce=not failed)
+    return 0
+
+
+def follow(cfg, parallel) -> int:
+    """Ranks > 0: the same model and resume as rank 0, then its operations until it says stop. Stop signals
+    are rank 0's to act on (it finishes the step and checkpoints with every rank's help)."""
+    from trainer_svc.ranks import Ranks
+    from trainer_svc.service import build_train_step
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        train_step, *_ = build_train_step(cfg, parallel)
+        Ranks(train_step, parallel).follow()
+    except Exception:
+        logger.exception("trainer rank %d failed", parallel.rank)
+        return 1
     return 0
 
 

@@ -5,6 +5,11 @@ multiplier, the step counter, the kept weight-version snapshots (versions, publi
 one is live, hence the current weight version) and the RNG states (torch CPU/CUDA, Python, NumPy).
 It is written into a temporary folder inside `checkpoint_dir` and renamed into place, so a crash leaves
 either the previous checkpoint or the new one, never a partial one.
+
+The tensors (weights, AdamW moments, snapshots) are one `torch.distributed.checkpoint` (DCP) save: a trainer
+sharded over N ranks (trainer_svc/parallel.py) writes each rank's shards in parallel, and a checkpoint loads
+into any number of ranks, one process included (DCP reshards on load), so a run can resume on other hardware.
+With ranks, every rank calls save/load (they are collectives); rank 0 writes the rest and renames.
 """
 
 from __future__ import annotations
@@ -15,19 +20,29 @@ import random
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from trainer_svc.step import TrainStep
 
 __all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
 _CHECKPOINT_DIR = re.compile(r"^step_(\d{8,})$")
-_STATE_FILES = ("model.pt", "optimizer.pt", "snapshots.pt", "rng.pt", "trainer_state.json")
+_STATE_FILES = (".metadata", "rng.pt", "trainer_state.json")
+"""DCP's index of the tensors, the RNG states, the rest (JSON)."""
 
 
 def _rng_state() -> dict[str, Any]:
@@ -64,6 +79,35 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def _dcp(fn, *args: Any, **kwargs: Any) -> Any:
+    """A DCP save/load; without a process group it says it assumes one process, every time: it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        return fn(*args, **kwargs)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _on_every_rank(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a path, an error): the ranks must act on one decision."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _tensor_state(train_step: TrainStep) -> dict[str, Any]:
+    """What DCP saves and loads: model, AdamW (FQN-keyed, sharded or not), kept versions by version."""
+    return {
+        "model": get_model_state_dict(train_step.model),
+        "optimizer": get_optimizer_state_dict(train_step.model, train_step.optimizer),
+        "snapshots": {str(v): w for v, w in train_step.snapshots.state_dict()["weights"].items()},
+    }
+
+
 def save_checkpoint(
     checkpoint_dir: str | os.PathLike[str],
     *,
@@ -74,56 +118,70 @@ def save_checkpoint(
     """Write a checkpoint of `train_step` at its current step; keep the newest `keep` (None: all).
 
     `extra_state` (JSON-serializable, e.g. the service's next batch id) is stored in trainer_state.json
-    inside the same atomic write, and comes back from `load_checkpoint`.
+    inside the same atomic write, and comes back from `load_checkpoint`. With ranks: called by every rank.
     """
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(checkpoint_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{train_step.step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    leader = _rank() == 0
+    tmp = None
+    if leader:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    tmp = Path(_on_every_rank(str(tmp) if tmp else None))
     try:
-        torch.save(train_step.model.state_dict(), tmp / "model.pt")
-        torch.save(train_step.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(train_step.snapshots.state_dict(), tmp / "snapshots.pt")
-        torch.save(_rng_state(), tmp / "rng.pt")
-        trainer_state = {
-            "step": train_step.step,
-            "method": train_step.method,
-            "dual_lambda": train_step.correction_state.lam,
-            "weight_version": train_step.weight_version,
-            "live_version": train_step.snapshots.live_version,
-            "kept_versions": train_step.snapshots.versions,
-        }
-        clashing = sorted(set(extra_state or {}) & set(trainer_state))
-        if clashing:
-            raise ValueError(f"extra_state keys {clashing} clash with the checkpoint's own fields")
-        trainer_state.update(extra_state or {})
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
-        for name in _STATE_FILES:
-            with open(tmp / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        if final.exists():  # re-saving a step (after a resume): swap the old one out, then delete it
-            old = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=root))
-            os.rename(final, old / final.name)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        _dcp(dcp.save, _tensor_state(train_step), checkpoint_id=tmp)
+        if leader:
+            _finish_save(tmp, final, train_step, extra_state)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep is not None:
+    if dist.is_initialized():
+        dist.barrier()  # nobody goes on (or saves again) before the checkpoint is in place
+    if keep is not None and leader:
         for stale in list_checkpoints(root)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> dict[str, Any]:
-    """Restore `train_step` (built with the same model architecture and config) from checkpoint `path`.
+def _finish_save(tmp: Path, final: Path, train_step: TrainStep, extra_state: Mapping[str, Any] | None) -> None:
+    snapshots = train_step.snapshots.state_dict()
+    torch.save(_rng_state(), tmp / "rng.pt")
+    trainer_state = {
+        "step": train_step.step,
+        "method": train_step.method,
+        "dual_lambda": train_step.correction_state.lam,
+        "weight_version": train_step.weight_version,
+        "live_version": snapshots["live_version"],
+        "kept_versions": train_step.snapshots.versions,
+        "published_step": {str(v): s for v, s in snapshots["published_step"].items()},
+        "ranks": dist.get_world_size() if dist.is_initialized() else 1,
+    }
+    clashing = sorted(set(extra_state or {}) & set(trainer_state))
+    if clashing:
+        raise ValueError(f"extra_state keys {clashing} clash with the checkpoint's own fields")
+    trainer_state.update(extra_state or {})
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+    for path in tmp.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    if final.exists():  # re-saving a step (after a resume): swap the old one out, then delete it
+        old = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=final.parent))
+        os.rename(final, old / final.name)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
 
-    Returns the trainer_state.json dict (with any `extra_state` saved alongside). Raises ValueError if the folder is not a complete checkpoint or
-    was written by a run of another correction method.
+
+def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> dict[str, Any]:
+    """Restore `train_step` (built with the same model architecture and config, on any number of ranks) from
+    checkpoint `path`. With ranks: called by every rank.
+
+    Returns the trainer_state.json dict (with any `extra_state` saved alongside). Raises ValueError if the folder
+    is not a complete checkpoint or was written by a run of another correction method.
     """
     folder = Path(path)
     missing = [name for name in _STATE_FILES if not (folder / name).is_file()]
@@ -134,11 +192,29 @@ def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> d
         raise ValueError(
             f"{folder}: checkpoint of method {trainer_state['method']!r}, but trainer.method is {train_step.method!r}"
         )
-    device = next(train_step.model.parameters()).device
-    train_step.model.load_state_dict(torch.load(folder / "model.pt", map_location=device, weights_only=True))
-    train_step.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=device, weights_only=True))
-    train_step.snapshots.load_state_dict(torch.load(folder / "snapshots.pt", map_location="cpu", weights_only=True))
+    # Load into tensors of this trainer's own layout (sharded over its ranks or not): one per kept version.
+    template = distinct_template(train_step)
+    state = _tensor_state(train_step)
+    state["snapshots"] = {
+        str(v): {name: t.detach().clone() for name, t in template.items()} for v in trainer_state["kept_versions"]
+    }
+    _dcp(dcp.load, state, checkpoint_id=folder)
+    set_model_state_dict(train_step.model, state["model"])
+    set_optimizer_state_dict(train_step.model, train_step.optimizer, state["optimizer"])
+    train_step.snapshots.load_state_dict({
+        "live_version": trainer_state["live_version"],
+        "published_step": trainer_state["published_step"],
+        "weights": {int(v): w for v, w in state["snapshots"].items()},
+    })
     train_step.correction_state.lam = float(trainer_state["dual_lambda"])
     train_step.step = int(trainer_state["step"])
     _set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
     return trainer_state
+
+
+def distinct_template(train_step: TrainStep) -> dict[str, torch.Tensor]:
+    """The model's tensors as a snapshot keeps them (each once, on the snapshots' storage device)."""
+    from trainer_svc.snapshots import distinct_weights
+
+    device = train_step.snapshots.storage_device
+    return {name: t.detach().to(device) for name, t in distinct_weights(train_step.model).items()}

@@ -191,5 +191,10 @@ class LogprobsModule(nn.Module):
         self.model = model
 
     def forward(self, batch: TrainBatch, *, with_topk: bool, chunk_tokens: int | None = None) -> ResponseLogprobs:
-        return batch_logprobs(self.model, batch, with_topk=with_topk, chunk_tokens=chunk_tokens)
+        out = batch_logprobs(self.model, batch, with_topk=with_topk, chunk_tokens=chunk_tokens)
+        # Own tensors, not views of one [B, T, 1 + K] block: FSDP2 hooks its backward on the outputs, and an
+        # in-place op on a view would bypass that hook.
+        return ResponseLogprobs(
+            logp=out.logp.contiguous(), logp_topk=None if out.logp_topk is None else out.logp_topk.contiguous()
+        )
 

@@ -47,7 +47,9 @@ from rlcommon.weight_store import (
 )
 from rlcommon.wire import Rollout
 from sampler_svc.rollouts import rollout_id as slot_rollout_id
-from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint
+from trainer_svc.parallel import DataParallel
+from trainer_svc.ranks import Ranks
 from trainer_svc.step import TrainStep
 
 logger = logging.getLogger("trainer")
@@ -63,9 +65,31 @@ class BatchBuffer:
     entry_ids: list[bytes] = field(default_factory=list)
 
 
+def build_train_step(cfg: RunConfig, parallel: DataParallel | None) -> tuple[TrainStep, Path, Path | None, dict]:
+    """The TrainStep of this run (sharded over `parallel`'s ranks when given), resumed from the latest checkpoint
+    if there is one: (train_step, model folder, checkpoint or None, its trainer_state). Every rank calls it (the
+    resume is a collective)."""
+    torch.manual_seed(cfg.trainer.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if cfg.trainer.device == "cpu":
+        torch.set_num_threads(max(1, int(os.environ.get("DLC_TRAINER_THREADS", "1"))))
+    model_dir = resolve_model(cfg.model, cfg.task)
+    from transformers import AutoModelForCausalLM
+
+    # float32 master weights whatever trainer.dtype: bfloat16 is the compute precision (autocast in TrainStep).
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(cfg.trainer.device)
+    tokenizer = load_tokenizer(model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_step = TrainStep(model, config=cfg.trainer, pad_id=pad_id, parallel=parallel)
+    checkpoint = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
+    state = load_checkpoint(checkpoint, train_step=train_step) if checkpoint is not None else {}
+    return train_step, model_dir, checkpoint, state
+
+
 class TrainerService:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, parallel: DataParallel | None = None) -> None:
         self.cfg = cfg
+        self.parallel = parallel
         self.run_dir = Path(cfg.run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.batch_size = cfg.coordinator.batch_size
@@ -93,23 +117,11 @@ class TrainerService:
 
     def start(self) -> TrainerService:
         cfg = self.cfg
-        torch.manual_seed(cfg.trainer.seed)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        if cfg.trainer.device == "cpu":
-            torch.set_num_threads(max(1, int(os.environ.get("DLC_TRAINER_THREADS", "1"))))
-        self.model_dir = resolve_model(cfg.model, cfg.task)
-        from transformers import AutoModelForCausalLM
-
-        # float32 master weights whatever trainer.dtype: bfloat16 is the compute precision (autocast in TrainStep).
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(cfg.trainer.device)
-        tokenizer = load_tokenizer(self.model_dir)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.train_step = TrainStep(model, config=cfg.trainer, pad_id=pad_id)
+        self.train_step, self.model_dir, checkpoint, state = build_train_step(cfg, self.parallel)
+        self.ranks = Ranks(self.train_step, self.parallel)
         self.checkpointed_step = 0
         """The step the latest checkpoint holds (0: none; the initial state needs none)."""
-        checkpoint = latest_checkpoint(self.checkpoint_dir)
         if checkpoint is not None:
-            state = load_checkpoint(checkpoint, train_step=self.train_step)
             self.next_batch_id = int(state.get("next_batch_id", self.train_step.step))
             self.duplicates_dropped = int(state.get("duplicates_dropped", 0))
             self.skipped_batches = int(state.get("skipped_batches", 0))
@@ -117,6 +129,8 @@ class TrainerService:
             self.checkpointed_step = self.train_step.step
             logger.info("resumed from %s: step %d, weight version %d, next batch %d",
                         checkpoint, self.train_step.step, self.train_step.weight_version, self.next_batch_id)
+        if self.parallel is not None:
+            logger.info("trainer sharded over %d ranks (FSDP2); this is rank 0", self.parallel.world)
 
         self.conn = RedisConnection.from_config(cfg.redis)
         self.consumer = StreamConsumer.from_config(
@@ -141,8 +155,16 @@ class TrainerService:
             self.checkpoint()
             logger.info("checkpointed step %d on the way out", self.train_step.step)
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Stop after the current step (a signal handler may call it)."""
         self._stopping = True
+
+    def stop(self, *, announce: bool = True) -> None:
+        """Close everything; `announce`: tell the other ranks to stop (not after a failure: they may be inside
+        an operation this rank left)."""
+        self._stopping = True
+        if announce and not self.ranks.stopped:
+            self.ranks.do("stop")  # the other ranks leave their loop
         self.write_state()
         self.metrics.close()
         self.coordinator.close()
@@ -245,7 +267,7 @@ class TrainerService:
         buffer = self.buffers.pop(batch_id)
         rollouts = [buffer.rollouts[slot] for slot in sorted(buffer.rollouts)]
         self.rpc("MarkBatchComplete", pb.MarkBatchCompleteRequest(batch_id=batch_id, num_rollouts=len(rollouts)))
-        result = self.train_step.train_on(rollouts)
+        result = self.ranks.do("train", rollouts=rollouts)
         if result.skipped:
             self.skipped_batches += 1
         step = self.train_step.step - 1
@@ -291,11 +313,13 @@ class TrainerService:
         if folder.exists():
             published = self.reuse_published(folder, weight_version=weight_version, step=step)
         else:
+            whole = self.ranks.do("whole_weights")  # a sharded model's tensors gathered here (None otherwise)
             published = publish_version(
                 self.train_step.model, publish_dir=self.cfg.publish_dir, weight_version=weight_version,
-                step=step, source_dir=self.model_dir,
+                step=step, source_dir=self.model_dir, state_dict=whole,
             )
-        self.train_step.mark_published(weight_version)
+            del whole
+        self.ranks.do("keep", weight_version=weight_version)
         self.rpc(
             "AnnouncePublished",
             pb.AnnouncePublishedRequest(
@@ -328,8 +352,8 @@ class TrainerService:
 
     def checkpoint(self) -> None:
         """Checkpoint, then ack every rollout entry the checkpoint covers."""
-        save_checkpoint(
-            self.checkpoint_dir, train_step=self.train_step, keep=self.cfg.trainer.keep_checkpoints,
+        self.ranks.do(
+            "checkpoint", checkpoint_dir=str(self.checkpoint_dir), keep=self.cfg.trainer.keep_checkpoints,
             extra_state={"next_batch_id": self.next_batch_id, "duplicates_dropped": self.duplicates_dropped,
                          "skipped_batches": self.skipped_batches, "rejected_rollouts": self.rejected_rollouts},
         )
@@ -359,7 +383,8 @@ class TrainerService:
             if last is None or last >= self.next_batch_id or version in buffered:
                 keep_from = version
                 break
-        released = self.train_step.snapshots.release_below(keep_from)
+        released = self.ranks.do("release", min_version=keep_from) if keep_from > min(
+            self.train_step.snapshots.versions, default=keep_from) else []
         for version in released:
             self.release_after.pop(version, None)
         if released:

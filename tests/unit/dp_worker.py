@@ -87,11 +87,81 @@ def compare(method: str, tied: bool, dp: DataParallel) -> dict:
     return {"method": method, "tied": tied, "steps": steps}
 
 
-def main(out: str, methods: list[str]) -> None:
-    dp = DataParallel.init("cpu")
-    results = [compare(method, tied, dp) for method in methods for tied in (False, True)]
+def whole_state(train_step: TrainStep) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor a checkpoint holds, as whole tensors (all-gathered: a collective)."""
+    params = dict(train_step.model.named_parameters())
+    return {
+        "model": {n: full_value(p.detach()).clone() for n, p in params.items()},
+        "optimizer": {
+            f"{n}.{k}": full_value(train_step.optimizer.state[p][k]).clone()
+            for n, p in params.items() for k in ("exp_avg", "exp_avg_sq", "step")
+        },
+        "snapshots": {
+            f"{v}.{n}": full_value(t).clone()
+            for v, w in train_step.snapshots.state_dict()["weights"].items() for n, t in w.items()
+        },
+    }
+
+
+def publish_from_ranks(train_step: TrainStep, publish_dir: Path, dp: DataParallel) -> dict | None:
+    """Publish as the service does (whole tensors gathered on rank 0, which writes): do the files hold the
+    whole weights, the tied embedding once?"""
+    from safetensors.torch import load_file
+
+    from rlcommon.weight_store import publish_version, verify_version_folder
+    from trainer_svc.ranks import OPERATIONS
+
+    whole = OPERATIONS["whole_weights"](train_step)  # every rank takes part; rank 0 gets the tensors
+    want = whole_state(train_step)["model"]
+    if dp.rank != 0:
+        assert whole is None
+        return None
+    version = publish_version(train_step.model, publish_dir=publish_dir, weight_version=1, step=2, state_dict=whole)
+    verify_version_folder(version.path, expected_sha256=version.sha256)
+    files = {}
+    for path in sorted(Path(version.path).glob("*.safetensors")):
+        files.update(load_file(path))
+    return {
+        "names": sorted(files),
+        "equal": all(torch.equal(files[n], want[n]) for n in files),
+        "missing": sorted(set(want) - set(files)),
+    }
+
+
+def checkpoint_roundtrip(folder: str, dp: DataParallel) -> dict:
+    from tests.unit.test_checkpoint import train
+    from trainer_svc.checkpoint import load_checkpoint, save_checkpoint
+
+    config = TrainerConfig(method="dlc")
+    saved = TrainStep(tiny_model(tied=True, seed=0), config=config, parallel=dp)
+    train(saved, range(2))
+    path = save_checkpoint(folder, train_step=saved, extra_state={"next_batch_id": 2})
+    want = whole_state(saved)
+    resumed = TrainStep(tiny_model(tied=True, seed=7), config=config, parallel=dp)
+    meta = load_checkpoint(path, train_step=resumed)
+    got = whole_state(resumed)
+    published = publish_from_ranks(saved, Path(folder) / "published", dp)
     if dp.rank == 0:
-        Path(out).write_text(json.dumps({"world": dp.world, "results": results}))
+        torch.save(want, Path(folder) / "full.pt")
+    return {
+        "published": published,
+        "path": str(path),
+        "meta": meta,
+        "same": {part: all(torch.equal(got[part][k], t) for k, t in want[part].items()) for part in want},
+        "keys": {part: sorted(want[part]) == sorted(got[part]) for part in want},
+        "versions": resumed.snapshots.versions,
+        "step": resumed.step,
+    }
+
+
+def main(out: str, args: list[str]) -> None:
+    dp = DataParallel.init("cpu")
+    if args[0] == "--checkpoint":
+        report = checkpoint_roundtrip(args[1], dp)
+    else:
+        report = {"results": [compare(method, tied, dp) for method in args for tied in (False, True)]}
+    if dp.rank == 0:
+        Path(out).write_text(json.dumps({"world": dp.world, **report}))
     dist.destroy_process_group()
 
 

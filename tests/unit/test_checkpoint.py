@@ -79,22 +79,18 @@ def test_checkpoint_contents_and_pruning(tmp_path, tied):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     # Saving the same step again (after a resume) replaces the folder.
     again = save_checkpoint(tmp_path, train_step=train_step, keep=2)
-    assert again == paths[-1] and (again / "model.pt").is_file()
+    assert again == paths[-1] and (again / ".metadata").is_file()
 
 
 def test_a_crash_while_writing_leaves_no_partial_checkpoint(tmp_path, monkeypatch, tied):
     train_step = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method="dlc"))
     first = save_checkpoint(tmp_path, train_step=train_step)
     train_step.train_on(make_rollouts())
-    real_save, calls = torch.save, []
 
-    def failing_save(obj, path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) == 3:
-            raise OSError("disk full")
-        return real_save(obj, path, *args, **kwargs)
+    def failing_rng_state():  # after DCP wrote the tensors into the temporary folder
+        raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    monkeypatch.setattr(checkpoint_module, "_rng_state", failing_rng_state)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, train_step=train_step)
     assert list_checkpoints(tmp_path) == [first]
@@ -107,6 +103,6 @@ def test_load_rejects_incomplete_or_foreign_checkpoints(tmp_path, tied):
     other = TrainStep(tiny_model(tied=tied), config=TrainerConfig(method="naive"))
     with pytest.raises(ValueError, match="checkpoint of method 'dlc'"):
         load_checkpoint(path, train_step=other)
-    (path / "optimizer.pt").unlink()
-    with pytest.raises(ValueError, match="missing optimizer.pt"):
+    (path / ".metadata").unlink()
+    with pytest.raises(ValueError, match="missing .metadata"):
         load_checkpoint(path, train_step=train_step)

@@ -50,3 +50,54 @@ def test_two_ranks_take_the_one_process_step(two_ranks, method):
             assert step["got"].keys() == step["want"].keys(), where
             for key, want in step["want"].items():
                 assert step["got"][key] == pytest.approx(want, rel=1e-5, abs=1e-6, nan_ok=True), f"{where}: {key}"
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("dp-checkpoint")
+    out = folder / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests/unit/dp_worker.py"), str(out), "--checkpoint", str(folder / "checkpoints")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {**json.loads(out.read_text()), "full": folder / "checkpoints" / "full.pt"}
+
+
+def test_a_two_rank_checkpoint_resumes_on_two_ranks(two_rank_checkpoint):
+    ck = two_rank_checkpoint
+    assert ck["world"] == 2 and ck["meta"]["ranks"] == 2 and ck["meta"]["next_batch_id"] == 2
+    assert ck["keys"] == ck["same"] == {"model": True, "optimizer": True, "snapshots": True}
+    assert ck["versions"] == [0, 1] and ck["step"] == 2
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process(two_rank_checkpoint):
+    """DCP reshards on load: the sharded trainer's checkpoint fills a one-process trainer bit for bit."""
+    import torch
+
+    from rlcommon.config import TrainerConfig
+    from tests.unit.test_checkpoint import rollouts_for
+    from tests.unit.trainer_helpers import is_tied, tiny_model
+    from trainer_svc.checkpoint import load_checkpoint
+    from trainer_svc.step import TrainStep
+
+    want = torch.load(two_rank_checkpoint["full"], weights_only=True)
+    resumed = TrainStep(tiny_model(tied=True, seed=11), config=TrainerConfig(method="dlc"))
+    meta = load_checkpoint(two_rank_checkpoint["path"], train_step=resumed)
+    assert meta["step"] == resumed.step == 2 and resumed.snapshots.versions == [0, 1] and is_tied(resumed.model)
+    params = dict(resumed.model.named_parameters())
+    for name, tensor in want["model"].items():
+        assert torch.equal(params[name], tensor), name
+    for key, tensor in want["optimizer"].items():
+        name, moment = key.rsplit(".", 1)
+        assert torch.equal(resumed.optimizer.state[params[name]][moment], tensor), key
+    kept = resumed.snapshots.state_dict()["weights"]
+    for key, tensor in want["snapshots"].items():
+        version, name = key.split(".", 1)
+        assert torch.equal(kept[int(version)][name], tensor), key
+    assert not resumed.train_on(rollouts_for(2, resumed)).skipped  # and it trains on
+
+
+def test_two_ranks_publish_the_whole_weights_from_rank_0(two_rank_checkpoint):
+    published = two_rank_checkpoint["published"]
+    assert published["equal"] and not published["missing"], published
+    assert "model.embed_tokens.weight" in published["names"] and "lm_head.weight" not in published["names"]  # tied

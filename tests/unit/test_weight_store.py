@@ -80,7 +80,7 @@ def test_publishing_an_existing_version_is_refused(tmp_path, tied):
 
 
 def test_a_crash_while_publishing_leaves_nothing_visible(tmp_path, monkeypatch, tied):
-    def broken_save(model, folder):
+    def broken_save(model, folder, **_):
         (folder / "model.safetensors").write_bytes(b"half")
         raise OSError("disk full")
 

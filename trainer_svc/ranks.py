@@ -1,0 +1,88 @@
+"""Rank 0 runs the trainer service; the other ranks follow it (`trainer.parallel.dp_shard` > 1).
+
+Only rank 0 reads the rollout stream, talks to the coordinator, writes metrics and publishes files. What must
+run on every rank (a step, whose forwards and backward are collectives; gathering the whole weights to publish
+them; keeping a published version's snapshot; a checkpoint; releasing snapshots) is an operation rank 0
+announces to the others (a broadcast over a gloo group, so also under NCCL) and then runs itself; each follower
+runs the same operation with the same arguments, in the same order, until rank 0 announces `stop`. With one
+process nothing is broadcast: `Ranks.do` is a plain call.
+
+    ranks = Ranks(train_step, parallel)        # parallel: DataParallel or None
+    result = ranks.do("train", rollouts=...)   # rank 0 (the service)
+    ranks.follow()                             # ranks > 0, until rank 0's ranks.do("stop")
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from trainer_svc.checkpoint import save_checkpoint
+from trainer_svc.parallel import DataParallel, is_sharded
+from trainer_svc.snapshots import distinct_weights
+from trainer_svc.step import TrainStep
+
+__all__ = ["Ranks"]
+
+logger = logging.getLogger("trainer")
+
+
+def _whole_weights(train_step: TrainStep) -> dict[str, Any] | None:
+    """The model's whole tensors on rank 0's CPU, gathered one tensor at a time, so the whole model exists once
+    on rank 0, beside its shards (None on the other ranks, and for a model that is not sharded: its own tensors
+    are whole)."""
+    if not is_sharded(train_step.model):
+        return None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(train_step.model, options=options)
+    # Each tensor once: a tied LM head is the embedding (save_pretrained writes it once and marks it tied).
+    distinct = distinct_weights(train_step.model)
+    return {name: tensor for name, tensor in state.items() if name in distinct} or None
+
+
+OPERATIONS: dict[str, Callable[..., Any]] = {
+    "train": lambda ts, *, rollouts: ts.train_on(rollouts),
+    "whole_weights": _whole_weights,
+    "keep": lambda ts, *, weight_version: ts.mark_published(weight_version),
+    "checkpoint": lambda ts, *, checkpoint_dir, keep, extra_state: save_checkpoint(
+        Path(checkpoint_dir), train_step=ts, keep=keep, extra_state=extra_state
+    ),
+    "release": lambda ts, *, min_version: ts.snapshots.release_below(min_version),
+    "stop": lambda ts: None,
+}
+
+
+class Ranks:
+    def __init__(self, train_step: TrainStep, parallel: DataParallel | None) -> None:
+        self.train_step = train_step
+        self.parallel = parallel
+        self.group = dist.new_group(backend="gloo") if parallel is not None else None
+        self.stopped = False
+
+    def do(self, op: str, **kwargs: Any) -> Any:
+        """Rank 0: announce `op` to the other ranks, then run it here."""
+        if op not in OPERATIONS:
+            raise ValueError(f"unknown trainer operation {op!r}")
+        if self.parallel is not None:
+            dist.broadcast_object_list([(op, kwargs)], src=0, group=self.group)
+        self.stopped = op == "stop"
+        return OPERATIONS[op](self.train_step, **kwargs)
+
+    def follow(self) -> int:
+        """Ranks > 0: run what rank 0 announces until it announces `stop`; returns the operations run."""
+        assert self.parallel is not None and self.parallel.rank > 0
+        done = 0
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            op, kwargs = box[0]
+            if op == "stop":
+                logger.info("rank %d: stopping after %d operations", self.parallel.rank, done)
+                return done
+            OPERATIONS[op](self.train_step, **kwargs)
+            done += 1
