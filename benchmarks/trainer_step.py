@@ -1,6 +1,6 @@
 """Seconds per trainer step of `naive` and `dlc`, fresh and stale rollouts, on the tiny and small presets.
 
-    python -m benchmarks.trainer_step --json
+    python -m benchmarks.trainer_step --json            # and the FSDP2 figures: 1 and 2 ranks (--ranks)
 
 Fresh: every rollout is of the live weight version (l^v = l, no extra forward). Stale: every rollout is of
 version 0 while the model has moved on (one extra no-grad forward with the kept snapshot, for every
@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=20, help="K of the transmitted top-K")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: leave torch's default)")
     parser.add_argument("--basis", choices=("cpu", "wall"), default="cpu", help="time the ratio is taken on")
+    parser.add_argument("--ranks", default="1,2", help="also time a step sharded over these numbers of FSDP2 ranks "
+                        "(benchmarks.trainer_ranks; empty: skip)")
+    parser.add_argument("--ranks-preset", default="qwen3-0.6b-L2", help="the preset of the ranks figures")
     args = parser.parse_args(argv)
     presets = [p for p in args.presets.split(",") if p]
     unknown = [p for p in presets if p not in PRESETS]
@@ -154,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     report["meets_targets"] = all(
         report["presets"][p][f]["meets_target"] for p in presets for f in ("fresh", "stale")
     )
+    ranks = [int(n) for n in args.ranks.split(",") if n]
+    if ranks:
+        from benchmarks.trainer_ranks import run as run_ranks
+
+        report["ranks"] = run_ranks(ranks, preset=args.ranks_preset, steps=3)
     if args.json:
         print(json.dumps(report))
     else:
@@ -163,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                 r = result[freshness]
                 print(f"  {freshness}: naive {r['naive_s'] * 1e3:.1f} ms, dlc {r['dlc_s'] * 1e3:.1f} ms (wall), "
                       f"dlc/naive {r['dlc_over_naive']:.3f} (target <= {r['target']})")
+        for r in report.get("ranks", {}).get("results", []):
+            print(f"{report['ranks']['preset']} over {r['ranks']} rank(s): {r['step_s']:.2f} s/step, "
+                  f"{r['rss_before_steps_gb_per_rank']} GB before the steps, peak {r['peak_rss_gb_per_rank']} GB per rank")
     return 0
 
 
