@@ -60,8 +60,8 @@ def take_state(plain: TrainStep, sharded: TrainStep) -> None:
         mine["step"].copy_(full_value(theirs["step"]))
 
 
-def compare(method: str, tied: bool, dp: DataParallel) -> dict:
-    config = TrainerConfig(method=method)
+def compare(method: str, tied: bool, dp: DataParallel, **settings) -> dict:
+    config = TrainerConfig(method=method, **settings)
     plain = TrainStep(tiny_model(tied=tied), config=config)
     sharded = TrainStep(tiny_model(tied=tied), config=config, parallel=dp)
     steps = []
@@ -84,7 +84,24 @@ def compare(method: str, tied: bool, dp: DataParallel) -> dict:
             "full_numel": sum(p.numel() for p in plain.model.parameters()),
         })
         take_state(plain, sharded)
-    return {"method": method, "tied": tied, "steps": steps}
+    return {"method": method, "tied": tied, "settings": settings, "steps": steps}
+
+
+def bf16_steps(dp: DataParallel) -> dict:
+    """trainer.dtype = bfloat16 on 2 ranks: bf16 compute (FSDP2's MixedPrecisionPolicy) over float32 master
+    weights, float32 gradients; three steps with finite loss and ESS."""
+    sharded = TrainStep(tiny_model(tied=True), config=TrainerConfig(method="dlc", dtype="bfloat16"), parallel=dp)
+    seen = []
+    for index, rollouts in enumerate(stale_batches()):
+        if index == 2:
+            sharded.mark_published(1)
+        grads, metrics = step_with_gradients(sharded, rollouts)
+        seen.append({
+            "loss": metrics["loss"], "ess_lag": metrics["ess_lag"], "delta_num_std": metrics["delta_num_std"],
+            "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),
+            "param_dtypes": sorted({str(p.dtype) for p in sharded.model.parameters()}),
+        })
+    return {"steps": seen}
 
 
 def whole_state(train_step: TrainStep) -> dict[str, dict[str, torch.Tensor]]:
@@ -158,6 +175,10 @@ def main(out: str, args: list[str]) -> None:
     dp = DataParallel.init("cpu")
     if args[0] == "--checkpoint":
         report = checkpoint_roundtrip(args[1], dp)
+    elif args[0] == "--memory-settings":
+        # activation checkpointing and an LM head of several chunks, against the one-process step with them
+        settings = {"gradient_checkpointing": True, "logits_chunk_tokens": 3}
+        report = {"results": [compare("dlc", tied, dp, **settings) for tied in (False, True)], "bf16": bf16_steps(dp)}
     else:
         report = {"results": [compare(method, tied, dp) for method in args for tied in (False, True)]}
     if dp.rank == 0:

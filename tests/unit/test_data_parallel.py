@@ -6,6 +6,7 @@ step's metrics)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,22 @@ def test_two_ranks_publish_the_whole_weights_from_rank_0(two_rank_checkpoint):
     published = two_rank_checkpoint["published"]
     assert published["equal"] and not published["missing"], published
     assert "model.embed_tokens.weight" in published["names"] and "lm_head.weight" not in published["names"]  # tied
+
+
+def test_checkpointed_layers_and_a_chunked_head_under_fsdp2_take_the_one_process_step(tmp_path):
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests/unit/dp_worker.py"), str(out), "--memory-settings"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    for result in report["results"]:
+        assert result["settings"] == {"gradient_checkpointing": True, "logits_chunk_tokens": 3}
+        for index, step in enumerate(result["steps"]):
+            assert max(step["grad_err"].values()) <= F32_GRAD_RTOL, (result["tied"], index, step["grad_err"])
+            for key, want in step["want"].items():
+                assert step["got"][key] == pytest.approx(want, rel=1e-5, abs=1e-6, nan_ok=True), key
+    # bf16 compute over float32 master weights and float32 gradient reduction, finite on fresh and stale rollouts
+    for step in report["bf16"]["steps"]:
+        assert step["param_dtypes"] == step["grad_dtypes"] == ["torch.float32"]
+        assert all(math.isfinite(step[k]) for k in ("loss", "ess_lag", "delta_num_std"))
