@@ -30,12 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
+from trainer_svc.snapshots import distinct_weights
 from trainer_svc.step import TrainStep
 
 __all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
@@ -100,9 +102,11 @@ def _on_every_rank(value: Any) -> Any:
 
 
 def _tensor_state(train_step: TrainStep) -> dict[str, Any]:
-    """What DCP saves and loads: model, AdamW (FQN-keyed, sharded or not), kept versions by version."""
+    """What DCP saves and loads: model, AdamW (FQN-keyed, sharded or not), kept versions by version. Each tensor
+    once: a tied LM head is the embedding, stored under the embedding's name only."""
+    distinct = distinct_weights(train_step.model)
     return {
-        "model": get_model_state_dict(train_step.model),
+        "model": {k: v for k, v in get_model_state_dict(train_step.model).items() if k in distinct},
         "optimizer": get_optimizer_state_dict(train_step.model, train_step.optimizer),
         "snapshots": {str(v): w for v, w in train_step.snapshots.state_dict()["weights"].items()},
     }
@@ -199,7 +203,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> d
         str(v): {name: t.detach().clone() for name, t in template.items()} for v in trainer_state["kept_versions"]
     }
     _dcp(dcp.load, state, checkpoint_id=folder)
-    set_model_state_dict(train_step.model, state["model"])
+    # Not strict: a tied alias (lm_head.weight) is not stored; loading the embedding loads it.
+    set_model_state_dict(train_step.model, state["model"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(train_step.model, train_step.optimizer, state["optimizer"])
     train_step.snapshots.load_state_dict({
         "live_version": trainer_state["live_version"],
@@ -214,7 +219,5 @@ def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> d
 
 def distinct_template(train_step: TrainStep) -> dict[str, torch.Tensor]:
     """The model's tensors as a snapshot keeps them (each once, on the snapshots' storage device)."""
-    from trainer_svc.snapshots import distinct_weights
-
     device = train_step.snapshots.storage_device
     return {name: t.detach().to(device) for name, t in distinct_weights(train_step.model).items()}

@@ -137,8 +137,10 @@ def test_dlc_run_with_stale_rollouts_on_a_tied_real_shape_model(tmp_path, initia
     for version in (0, 1):
         weights = straight.snapshots.state_dict()["weights"][version]
         assert list(weights) == list(distinct_weights(straight.model)) and "lm_head.weight" not in weights
-    assert (checkpoint / "snapshots.pt").stat().st_size < 2 * model_bytes * 1.01
-    assert (checkpoint / "model.pt").stat().st_size < model_bytes * 1.01
+    # The checkpoint: the weights, AdamW's two moments and the two kept versions, each tensor once (a second
+    # copy of the 151,936 x 1024 embedding anywhere would add 0.83 of the model's bytes).
+    stored = sum(f.stat().st_size for f in checkpoint.glob("*.distcp"))
+    assert stored < (1 + 2 + 2) * model_bytes * 1.01
 
     final = {name: p.detach().clone() for name, p in straight.model.named_parameters()}
     del straight, current
