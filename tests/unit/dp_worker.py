@@ -22,29 +22,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlcommon.config import TrainerConfig  # noqa: E402
-from tests.unit.test_step import stale_batches  # noqa: E402
+from tests.unit.test_step import stale_batches, step_gradients  # noqa: E402
 from tests.unit.trainer_helpers import tiny_model  # noqa: E402
 from trainer_svc.parallel import DataParallel, full_value  # noqa: E402
 from trainer_svc.step import TrainStep  # noqa: E402
-
-
-def step_with_gradients(train_step: TrainStep, rollouts) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The gradients the optimizer applies in this step (whole tensors), and the step's metrics."""
-    grads: dict[str, torch.Tensor] = {}
-    names = {id(p): n for n, p in train_step.model.named_parameters()}
-
-    def capture(optimizer, *_):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                grads[names[id(p)]] = full_value(p.grad.detach()).clone()
-
-    handle = train_step.optimizer.register_step_pre_hook(capture)
-    try:
-        result = train_step.train_on(rollouts)
-    finally:
-        handle.remove()
-    assert not result.skipped, result.skip_reason
-    return grads, result.metrics
 
 
 @torch.no_grad()
@@ -69,8 +50,8 @@ def compare(method: str, tied: bool, dp: DataParallel, **settings) -> dict:
         if index == 2:
             plain.mark_published(1)
             sharded.mark_published(1)
-        want_grads, want_metrics = step_with_gradients(plain, rollouts)
-        got_grads, got_metrics = step_with_gradients(sharded, rollouts)
+        want_grads, want_metrics = step_gradients(plain, rollouts)
+        got_grads, got_metrics = step_gradients(sharded, rollouts)
         steps.append({
             "grad_names": sorted(got_grads) == sorted(want_grads),
             # each tensor's largest difference, in units of that tensor's largest gradient entry
@@ -95,7 +76,7 @@ def bf16_steps(dp: DataParallel) -> dict:
     for index, rollouts in enumerate(stale_batches()):
         if index == 2:
             sharded.mark_published(1)
-        grads, metrics = step_with_gradients(sharded, rollouts)
+        grads, metrics = step_gradients(sharded, rollouts)
         seen.append({
             "loss": metrics["loss"], "ess_lag": metrics["ess_lag"], "delta_num_std": metrics["delta_num_std"],
             "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),

@@ -17,6 +17,7 @@ import torch
 from rlcommon.config import METHODS, CorrectionConfig, TrainerConfig
 from tests.unit.trainer_helpers import ForwardCounter, is_tied, make_rollouts, tiny_model
 from trainer_svc.batch import build_batch, group_advantages
+from trainer_svc.parallel import full_value
 from trainer_svc.step import TrainStep
 
 REQUIRED_METRICS = (
@@ -132,7 +133,7 @@ def step_gradients(train_step: TrainStep, rollouts) -> tuple[dict[str, torch.Ten
     def capture(optimizer, *_):
         for group in optimizer.param_groups:
             for p in group["params"]:
-                grads[names[id(p)]] = p.grad.detach().clone()
+                grads[names[id(p)]] = full_value(p.grad.detach()).clone()  # whole, when sharded (FSDP2)
 
     handle = train_step.optimizer.register_step_pre_hook(capture)
     try:
