@@ -135,7 +135,7 @@ def _save_model(model: Any, folder: Path, *, state_dict: dict[str, Any] | None =
     bars_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
+        model.save_pretrained(folder, state_dict=state_dict)
     finally:
         if bars_enabled:
             hf_logging.enable_progress_bar()

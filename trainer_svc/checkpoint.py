@@ -101,12 +101,18 @@ def _on_every_rank(value: Any) -> Any:
     return box[0]
 
 
+def distinct_model_state(model: torch.nn.Module, options: StateDictOptions | None = None) -> dict[str, Any]:
+    """`get_model_state_dict` (FQN-keyed; sharded, or whole with `options`) with each tensor once: a tied LM head
+    is the embedding, kept under the embedding's name only."""
+    distinct = distinct_weights(model)
+    return {k: v for k, v in get_model_state_dict(model, options=options).items() if k in distinct}
+
+
 def _tensor_state(train_step: TrainStep) -> dict[str, Any]:
     """What DCP saves and loads: model, AdamW (FQN-keyed, sharded or not), kept versions by version. Each tensor
-    once: a tied LM head is the embedding, stored under the embedding's name only."""
-    distinct = distinct_weights(train_step.model)
+    once (`distinct_model_state`)."""
     return {
-        "model": {k: v for k, v in get_model_state_dict(train_step.model).items() if k in distinct},
+        "model": distinct_model_state(train_step.model),
         "optimizer": get_optimizer_state_dict(train_step.model, train_step.optimizer),
         "snapshots": {str(v): w for v, w in train_step.snapshots.state_dict()["weights"].items()},
     }
@@ -197,11 +203,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> d
             f"{folder}: checkpoint of method {trainer_state['method']!r}, but trainer.method is {train_step.method!r}"
         )
     # Load into tensors of this trainer's own layout (sharded over its ranks or not): one per kept version.
-    template = distinct_template(train_step)
     state = _tensor_state(train_step)
-    state["snapshots"] = {
-        str(v): {name: t.detach().clone() for name, t in template.items()} for v in trainer_state["kept_versions"]
-    }
+    state["snapshots"] = {str(v): train_step.snapshots.copy_of(train_step.model) for v in trainer_state["kept_versions"]}
     _dcp(dcp.load, state, checkpoint_id=folder)
     # Not strict: a tied alias (lm_head.weight) is not stored; loading the embedding loads it.
     set_model_state_dict(train_step.model, state["model"], options=StateDictOptions(strict=False))
@@ -216,8 +219,3 @@ def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> d
     _set_rng_state(torch.load(folder / "rng.pt", weights_only=True))
     return trainer_state
 
-
-def distinct_template(train_step: TrainStep) -> dict[str, torch.Tensor]:
-    """The model's tensors as a snapshot keeps them (each once, on the snapshots' storage device)."""
-    device = train_step.snapshots.storage_device
-    return {name: t.detach().to(device) for name, t in distinct_weights(train_step.model).items()}

@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from trainer_svc.checkpoint import save_checkpoint
+from trainer_svc.checkpoint import distinct_model_state, save_checkpoint
 from trainer_svc.parallel import DataParallel, is_sharded
-from trainer_svc.snapshots import distinct_weights
 from trainer_svc.step import TrainStep
 
 __all__ = ["Ranks"]
@@ -38,11 +37,9 @@ def _whole_weights(train_step: TrainStep) -> dict[str, Any] | None:
     are whole)."""
     if not is_sharded(train_step.model):
         return None
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(train_step.model, options=options)
     # Each tensor once: a tied LM head is the embedding (save_pretrained writes it once and marks it tied).
-    distinct = distinct_weights(train_step.model)
-    return {name: tensor for name, tensor in state.items() if name in distinct} or None
+    state = distinct_model_state(train_step.model, StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state or None
 
 
 OPERATIONS: dict[str, Callable[..., Any]] = {

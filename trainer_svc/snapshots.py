@@ -81,11 +81,14 @@ class VersionSnapshots:
             raise ValueError(f"weight version {version} is already kept")
         if self._weights and version < max(self._weights):
             raise ValueError(f"weight version {version} is older than the kept version {max(self._weights)}")
-        self._weights[version] = {
-            name: tensor.detach().to(self.storage_device, copy=True) for name, tensor in distinct_weights(model).items()
-        }
+        self._weights[version] = self.copy_of(model)
         self._published_step[version] = step
         self.live_version = version
+
+    def copy_of(self, model: nn.Module) -> dict[str, Tensor]:
+        """A copy of `distinct_weights(model)` on the storage device: what `keep` holds for a version (sharded
+        when the model is), and what a checkpoint loads a kept version into."""
+        return {name: t.detach().to(self.storage_device, copy=True) for name, t in distinct_weights(model).items()}
 
     def model_changed(self) -> None:
         """The model's weights moved (optimizer step): it no longer equals any kept version."""
@@ -184,10 +187,10 @@ class VersionSnapshots:
             if self.is_live(version):
                 continue
             rows = (batch.weight_versions == version).nonzero().squeeze(1)
+            picked = rows if len(rows) else torch.arange(1)  # no row of it here: one row, for the collective
+            result = self.logprobs_at(version, batch.select(picked), model=model, with_topk=with_topk, forward=forward)
             if len(rows) == 0:
-                self.logprobs_at(version, batch.select(torch.arange(1)), model=model, with_topk=with_topk, forward=forward)
                 continue
-            result = self.logprobs_at(version, batch.select(rows), model=model, with_topk=with_topk, forward=forward)
             rows = rows.to(logp.device)
             logp[rows] = result.logp
             if with_topk:

@@ -89,12 +89,11 @@ class TrainStep:
         self.parallel = parallel
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if parallel is not None:
-            if config.micro_batch_rows is not None:
-                raise ValueError(
-                    "trainer.micro_batch_rows with trainer.parallel.dp_shard > 1 is not supported yet: each rank "
-                    "already runs only its share of the batch's rows"
-                )
+        if parallel is not None and config.micro_batch_rows is not None:
+            raise ValueError(
+                "trainer.micro_batch_rows with trainer.parallel.dp_shard > 1 is not supported yet: each rank "
+                "already runs only its share of the batch's rows"
+            )
         self.forward_module = LogprobsModule(model)
         """What computes the log-probs: the FSDP2 root of a sharded model."""
         if parallel is not None:
