@@ -59,13 +59,16 @@ def test_a_coordinator_that_does_not_listen_is_unhealthy():
 
 def test_main_checks_the_process_it_is_pointed_at(metrics_server, capsys):
     """A real process whose command line names the sampler service and its metrics port."""
-    argv = [sys.executable, "-c", "import sys; sys.stdin.read()", "-m", "sampler_svc",
+    argv = [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()", "-m", "sampler_svc",
             "--sampler.metrics_port", str(metrics_server)]
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        # Until the child prints, /proc/<pid>/cmdline may still be this process's (forked, not yet exec'd).
+        assert proc.stdout.readline().strip() == "ready"
         assert main(["--pid", str(proc.pid)]) == 0
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+        proc.stdout.close()
     assert main(["--pid", str(proc.pid)]) == 1  # gone: its /proc entry is no more
     assert "cannot read the command line" in capsys.readouterr().err
