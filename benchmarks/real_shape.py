@@ -572,9 +572,8 @@ async def _measure_sampler(
     from transformers.utils import logging as hf_logging
 
     from benchmarks.sampler import _prompts
-    from rlcommon.weight_store import publish_version
+    from rlcommon.weight_store import load_version, publish_version
     from sampler_svc.engine import SamplerEngine
-    from sampler_svc.weights import load_version
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(threads)

@@ -31,6 +31,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rlcommon.plan_ids import task_id_of
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -42,7 +44,6 @@ __all__ = [
     "BatchLedger",
     "TaskWriter",
     "BatchPlanner",
-    "task_id_of",
 ]
 
 BATCH_STATUSES = ("planned", "complete", "trained")
@@ -50,11 +51,6 @@ BATCH_STATUSES = ("planned", "complete", "trained")
 
 class PlanError(RuntimeError):
     """The task source or tokenizer cannot produce a valid task (a configuration problem)."""
-
-
-def task_id_of(batch_id: int, group_id: int) -> str:
-    """Id of the Task of group `group_id` of batch `batch_id` (stable across restarts)."""
-    return f"b{batch_id}-g{group_id}"
 
 
 @dataclass

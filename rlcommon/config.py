@@ -150,8 +150,9 @@ class SamplerConfig(StrictModel):
     """vLLM max model length."""
     max_inflight_tasks: int = Field(4, ge=1)
     """Tasks taken from the stream at once (capacity); more are left for other samplers."""
-    weight_transfer: Literal["path", "nccl"] = "path"
-    """How new weights arrive: a published version folder (any node) or vLLM's NCCL transfer (GPU)."""
+    weight_transfer: Literal["path"] = "path"
+    """How new weights arrive: a published version folder on storage the trainer and samplers share. The only
+    transport so far: NCCL transfer (vLLM's weight-transfer API) waits until it can be built and tested on GPUs."""
     seed: int = Field(0, ge=0)
     """Base seed; per-request seeds derive from it and the task id."""
     metrics_port: int | None = Field(None, ge=0, le=65535)

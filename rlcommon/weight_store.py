@@ -4,7 +4,9 @@ A version folder holds what vLLM and transformers load (model.safetensors, confi
 generation_config.json, the tokenizer files of the source model folder) and `manifest.json`:
 `{"weight_version", "step", "files": {name: sha256}}`. It is written into a temporary folder inside
 `publish_dir` and renamed into place (atomic on one filesystem), so a reader never sees a half-written
-version; `verify_version_folder` checks a folder against its manifest before anyone loads it. The sha256
+version; `verify_version_folder` checks a folder against its manifest before anyone loads it, and `load_version`
+(what a sampler calls before its engine swaps to a version) adds the version number, stray weight files and
+the served model's architecture. The sha256
 of manifest.json identifies the whole version (it covers every file's hash): it is what a WeightUpdate
 carries. torch and transformers are needed only by `publish_version`.
 """
@@ -22,10 +24,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ARCHITECTURE_KEYS",
     "MANIFEST_NAME",
     "PublishedVersion",
     "WeightsError",
+    "check_compatible",
     "latest_version",
+    "load_version",
     "manifest_sha256",
     "publish_version",
     "verify_version_folder",
@@ -200,3 +205,73 @@ def latest_version(publish_dir: str | os.PathLike[str]) -> int | None:
         if (match := _VERSION_DIR.match(entry.name)) and (entry / MANIFEST_NAME).is_file()
     ]
     return max(versions, default=None)
+
+
+ARCHITECTURE_KEYS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+"""config.json keys that must be equal for a version to be loaded in place into the served model."""
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{path}: unreadable config ({err})") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: config is not a JSON object")
+    return data
+
+
+def check_compatible(version_dir: str | os.PathLike[str], serving_model_dir: str | os.PathLike[str]) -> None:
+    """Raise WeightsError unless the version's config.json has the served model's architecture."""
+    new = _read_config(Path(version_dir) / "config.json")
+    served = _read_config(Path(serving_model_dir) / "config.json")
+    diffs = [
+        f"{key}: {served.get(key)!r} -> {new.get(key)!r}"
+        for key in ARCHITECTURE_KEYS
+        if new.get(key) != served.get(key)
+    ]
+    if diffs:
+        raise WeightsError(
+            f"{version_dir}: architecture differs from the served model {serving_model_dir} "
+            f"({'; '.join(diffs)}); weights can only be reloaded into the same architecture"
+        )
+
+
+def load_version(
+    version_dir: str | os.PathLike[str],
+    *,
+    expected_version: int | None = None,
+    expected_sha256: str | None = None,
+    serving_model_dir: str | os.PathLike[str] | None = None,
+) -> PublishedVersion:
+    """Verify a published version folder and describe it; raises WeightsError on any problem.
+
+    Checks, in order: sha256 of every file against manifest.json (and of the manifest against
+    `expected_sha256`, the WeightUpdate's), the version against `expected_version`, no `.safetensors`
+    file outside the manifest (vLLM would load it too), and the architecture against
+    `serving_model_dir`'s config.json. Reads every file: call it off the event loop.
+    """
+    folder = Path(version_dir).resolve()
+    manifest = verify_version_folder(folder, expected_sha256=expected_sha256)
+    weight_version = manifest["weight_version"]
+    if expected_version is not None and weight_version != expected_version:
+        raise WeightsError(f"{folder}: holds weight version {weight_version}, expected {expected_version}")
+    stray = sorted(p.name for p in folder.glob("*.safetensors") if p.name not in manifest["files"])
+    if stray:
+        raise WeightsError(f"{folder}: weight files not in the manifest: {', '.join(stray)}")
+    if serving_model_dir is not None:
+        check_compatible(folder, serving_model_dir)
+    return PublishedVersion(
+        weight_version=weight_version, step=manifest["step"], path=str(folder), sha256=manifest_sha256(folder)
+    )

@@ -1,7 +1,8 @@
-"""Wire format of the bus: Task, Rollout and WeightUpdate as msgpack (DESIGN section 3).
+"""Wire format of the bus: Task and Rollout as msgpack (DESIGN section 3).
 
-Every message is a msgpack map holding `v` (the schema version), `type` (`task`, `rollout` or
-`weight_update`) and the message's fields. Arrays travel as `{"dtype": "<i4"|"<f4", "shape": [...],
+Weight versions are announced over gRPC (`SubscribeWeightUpdates`), not on the bus.
+
+Every message is a msgpack map holding `v` (the schema version), `type` (`task` or `rollout`) and the message's fields. Arrays travel as `{"dtype": "<i4"|"<f4", "shape": [...],
 "data": <raw little-endian bytes>}`, never as per-element lists.
 
 `decode` validates everything and raises `WireError(field, reason)`, and nothing else, for any input
@@ -18,7 +19,7 @@ Validation rules beyond types (see `validate`):
   processed distribution), never NaN or +inf.
 - versions, ids, indices and counts are non-negative ints (bools and floats are rejected) below 2**63;
   top_k >= -1; group_size >= 1; temperature > 0; 0 < top_p <= 1; floats finite; id strings 1..256
-  characters; sha256 is 64 lowercase hex characters.
+  characters.
 - a Task's optional `sample_indices` (a msgpack list; absent or empty = all G) ascends strictly and every
   index is < group_size.
 
@@ -48,7 +49,6 @@ __all__ = [
     "WireError",
     "Task",
     "Rollout",
-    "WeightUpdate",
     "Message",
     "encode",
     "decode",
@@ -124,20 +124,9 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class WeightUpdate:
-    """Notice that weight_version is published at path (sha256 of its files' manifest)."""
+Message = Task | Rollout
 
-    weight_version: int
-    path: str
-    sha256: str
-    step: int
-    reason: str
-
-
-Message = Task | Rollout | WeightUpdate
-
-# Field kinds: "id" (short non-empty str), "text" (str), "uint" (int >= 0), "top_k" (int >= -1),
+# Field kinds: "id" (short non-empty str), "uint" (int >= 0), "top_k" (int >= -1),
 # "float" (finite), "i4"/"f4" + ndim (arrays), "payload", "timings", "uints" (a list of uint).
 _FIELDS: dict[type, dict[str, tuple[str, int]]] = {
     Task: {
@@ -169,17 +158,10 @@ _FIELDS: dict[type, dict[str, tuple[str, int]]] = {
         "top_k": ("top_k", 0),
         "timings": ("timings", 0),
     },
-    WeightUpdate: {
-        "weight_version": ("uint", 0),
-        "path": ("text", 0),
-        "sha256": ("id", 0),
-        "step": ("uint", 0),
-        "reason": ("text", 0),
-    },
 }
 _OPTIONAL: dict[type, dict[str, Any]] = {Task: {"sample_indices": ()}}
 """Fields that may be absent (-> this default) and are not sent when they hold it."""
-_TYPE_TAGS: dict[type, str] = {Task: "task", Rollout: "rollout", WeightUpdate: "weight_update"}
+_TYPE_TAGS: dict[type, str] = {Task: "task", Rollout: "rollout"}
 _TAG_TYPES: dict[str, type] = {tag: cls for cls, tag in _TYPE_TAGS.items()}
 _ARRAY_KEYS = frozenset(("dtype", "shape", "data"))
 
@@ -195,7 +177,7 @@ def encode(msg: Message) -> bytes:
     """
     spec = _FIELDS.get(type(msg))
     if spec is None:
-        raise WireError("type", f"cannot encode {type(msg).__name__}; expected Task, Rollout or WeightUpdate")
+        raise WireError("type", f"cannot encode {type(msg).__name__}; expected Task or Rollout")
     body: dict[str, Any] = {"v": SCHEMA_VERSION, "type": _TYPE_TAGS[type(msg)]}
     optional = _OPTIONAL.get(type(msg), {})
     for name, (kind, ndim) in spec.items():
@@ -217,7 +199,7 @@ def _encode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
             raise WireError(name, f"expected a float, got {type(value).__name__}")
         return float(value)
-    if kind in ("id", "text"):
+    if kind == "id":
         if not isinstance(value, str):
             raise WireError(name, f"expected a str, got {type(value).__name__}")
         return value
@@ -375,11 +357,11 @@ def decode(
 
     The message's arrays are read-only int32/float32 views of `data` (copy one to modify it).
 
-    expected: Task, Rollout or WeightUpdate to reject messages of another type; None accepts any.
+    expected: Task or Rollout to reject messages of another type; None accepts any.
     limits: size bounds and the vocabulary size (default: WireLimits()).
     """
     if expected is not None and expected not in _FIELDS:
-        raise TypeError(f"expected must be Task, Rollout, WeightUpdate or None, got {expected!r}")
+        raise TypeError(f"expected must be Task, Rollout or None, got {expected!r}")
     limits = limits if limits is not None else _DEFAULT_LIMITS
     try:
         msg = _decode_unchecked(data, expected=expected, limits=limits)
@@ -435,8 +417,6 @@ def _decode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
         return _check_float(name, value)
     if kind == "id":
         return _check_str(name, value, min_chars=1, max_chars=MAX_ID_CHARS)
-    if kind == "text":
-        return _check_str(name, value, min_chars=0, max_chars=MAX_TEXT_CHARS)
     if kind == "uints":
         if not isinstance(value, list | tuple):
             raise WireError(name, f"expected a list of ints, got {type(value).__name__}")
@@ -521,7 +501,7 @@ def validate(msg: Message, *, limits: WireLimits | None = None) -> None:
     spec = _FIELDS.get(type(msg))
     if spec is None:
         raise WireError(
-            "type", f"cannot validate {type(msg).__name__}; expected Task, Rollout or WeightUpdate"
+            "type", f"cannot validate {type(msg).__name__}; expected Task or Rollout"
         )
     values: dict[str, Any] = {}
     for name, (kind, ndim) in spec.items():
@@ -537,7 +517,7 @@ def _check_semantics(msg: Message, limits: WireLimits) -> None:
     """Cross-field and range checks of a message whose fields already have the right types."""
     if isinstance(msg, Rollout):
         _validate_rollout(msg, limits)
-    elif isinstance(msg, Task):
+    else:
         _check_len("prompt_ids", msg.prompt_ids, 1, limits.max_prompt_tokens, "limits.max_prompt_tokens")
         _check_ids("prompt_ids", msg.prompt_ids, limits.vocab_size)
         if msg.group_size < 1:
@@ -547,11 +527,6 @@ def _check_semantics(msg: Message, limits: WireLimits) -> None:
             raise WireError("sample_indices", f"must ascend strictly (no repeats), got {list(indices)[:16]}")
         if indices and indices[-1] >= msg.group_size:
             raise WireError("sample_indices", f"index {indices[-1]} >= group_size {msg.group_size}")
-    else:
-        if not msg.path:
-            raise WireError("path", "must not be empty")
-        if len(msg.sha256) != 64 or any(c not in "0123456789abcdef" for c in msg.sha256):
-            raise WireError("sha256", f"expected 64 lowercase hex characters, got {msg.sha256!r}")
 
 
 def _validate_rollout(msg: Rollout, limits: WireLimits) -> None:

@@ -3,7 +3,7 @@
 Each rollout carries exactly the engine's tokens and processed logprobs, the reward of the task's
 reward function on the decoded response, and the weight version that generated every one of its tokens.
 The request seed derives from the sampler's base seed and the task id, so a redelivered task is sampled
-with the same seeds, and `rollout_id` names the slot (task, sample index): the trainer keeps one rollout
+with the same seeds, and `rlcommon.plan_ids.rollout_id` names the slot (task, sample index): the trainer keeps one rollout
 per slot however often a task is redelivered or re-issued. A re-issued task (`Task.sample_indices`) asks
 for some samples only: each is generated alone, with the seed it has in the whole group.
 """
@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlcommon.config import WireLimits
+from rlcommon.plan_ids import rollout_id
 from rlcommon.rewards import reward
 from rlcommon.wire import Rollout, Task, validate
 
 if TYPE_CHECKING:
     from sampler_svc.engine import Sample, SamplerEngine
 
-__all__ = ["build_rollouts", "generate_rollouts", "rollout_id", "task_seed"]
+__all__ = ["build_rollouts", "generate_rollouts", "task_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +39,6 @@ def task_seed(base_seed: int, task_id: str) -> int:
     """The vLLM request seed of a task: a hash of the sampler's base seed and the task id."""
     digest = hashlib.blake2b(f"{base_seed}:{task_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
-
-
-def rollout_id(task_id: str, sample_index: int) -> str:
-    """Idempotency key of a rollout: its slot in the plan, `"{task_id}:{sample_index}"`.
-
-    The weight version is deliberately not part of it: a task redelivered after a sync must not produce
-    a second rollout for the same slot.
-    """
-    return f"{task_id}:{sample_index}"
 
 
 def _payload_str(task: Task, key: str) -> str:

@@ -29,11 +29,11 @@ from typing import Any
 import grpc
 import torch
 
-from coordinator.planner import task_id_of
 from protos import coordinator_pb2 as pb
 from rlcommon.bus import Delivery, RedisConnection, StreamConsumer
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
+from rlcommon.plan_ids import slot_rollout_id
 from rlcommon.rpc import CoordinatorClient
 from rlcommon.tiny_model import resolve_model
 from rlcommon.tokenizer import load_tokenizer
@@ -46,7 +46,6 @@ from rlcommon.weight_store import (
     version_folder,
 )
 from rlcommon.wire import Rollout
-from sampler_svc.rollouts import rollout_id as slot_rollout_id
 from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint
 from trainer_svc.parallel import DataParallel
 from trainer_svc.ranks import Ranks
@@ -248,7 +247,7 @@ class TrainerService:
             return f"group_id {rollout.group_id} >= batch_size {self.batch_size}"
         if rollout.sample_index >= self.group_size:
             return f"sample_index {rollout.sample_index} >= group_size {self.group_size}"
-        expected_id = slot_rollout_id(task_id_of(rollout.batch_id, rollout.group_id), rollout.sample_index)
+        expected_id = slot_rollout_id(rollout.batch_id, rollout.group_id, rollout.sample_index)
         if rollout.rollout_id != expected_id:
             return f"rollout_id {rollout.rollout_id!r} does not name its plan slot (expected {expected_id!r})"
         version = rollout.weight_version

@@ -78,7 +78,7 @@ def bad_rollout_entries() -> list[tuple[dict[bytes, bytes], str]]:
          f"exceeds limits.max_message_bytes={MAX_MESSAGE_BYTES}"),
         (retyped(make_rollout(), batch_id="zero"), "batch_id: expected an int, got str"),
         (retyped(make_rollout(), reward=[1.0]), "reward: expected a float, got list"),
-        (wire.encode(wire.WeightUpdate(1, "/w/v1", "ab" * 32, 1, "wrong stream")), "expected a rollout message"),
+        (wire.encode(wire.Task("b0-g0", 0, 0, np.array([1, 2], np.int32), 2, {})), "expected a rollout message"),
         (retyped(make_rollout(), v=99), "unknown schema version 99"),
         (wire.encode(make_rollout(sampler_logprobs=np.array([np.nan, -0.2], dtype=np.float32))),
          "sampler_logprobs: contains NaN"),

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import redis
 
@@ -717,7 +718,7 @@ def test_entries_delivered_in_a_reply_lost_with_the_connection_are_read_again(tm
         consumer = StreamConsumer(conn, "s", "g", "only", block_ms=3000, claim_idle_ms=100)
         assert consumer.read(block_ms=10) == []  # start-up replay of its own pending entries: none
         raw = redis.Redis.from_url(server.url)
-        raw.xadd("s", {b"d": wire.encode(wire.WeightUpdate(1, "/w/v1", "ab" * 32, 1, "test"))})
+        raw.xadd("s", {b"d": wire.encode(wire.Task("b1-g0", 1, 0, np.array([1, 2], np.int32), 2, {}))})
         raw.xreadgroup("g", "only", {"s": ">"}, count=1)  # delivered to "only", the reply never reaches it
         raw.close()
         reads: list = []
@@ -729,7 +730,7 @@ def test_entries_delivered_in_a_reply_lost_with_the_connection_are_read_again(tm
         reader.join(timeout=30)
         assert reads == [[]]
         again = consumer.read(block_ms=10)
-        assert [d.message.weight_version for d in again] == [1]
+        assert [d.message.task_id for d in again] == ["b1-g0"]
         consumer.ack([d.entry_id for d in again])
         conn.close()
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from rlcommon.config import SamplingConfig, TaskConfig
+from rlcommon.plan_ids import rollout_id
 from rlcommon.rewards import reward
 from rlcommon.tasks import TaskSource
 from rlcommon.tokenizer import load_tokenizer
-from rlcommon.weight_store import publish_version, version_folder
+from rlcommon.weight_store import WeightsError, publish_version, version_folder
 from rlcommon.wire import Rollout, Task, decode, encode
-from sampler_svc.rollouts import generate_rollouts, rollout_id
-from sampler_svc.weights import WeightsError
+from sampler_svc.rollouts import generate_rollouts
 
 pytestmark = pytest.mark.vllm
 

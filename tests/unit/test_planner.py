@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.planner import BatchLedger, BatchPlanner, BatchRecord, PlanError, task_id_of
+from coordinator.planner import BatchLedger, BatchPlanner, BatchRecord, PlanError
 from coordinator.state import CoordinatorStore, TasksStream
 from rlcommon import wire
 from rlcommon.bus import RedisConnection, StreamProducer, stream_key
 from rlcommon.config import TaskConfig
+from rlcommon.plan_ids import task_id_of
 from rlcommon.tasks import TaskSource
 from rlcommon.tokenizer import CharTokenizer
 

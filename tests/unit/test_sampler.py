@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from rlcommon.config import SamplerConfig, SamplingConfig
-from rlcommon.weight_store import publish_version
+from rlcommon.plan_ids import rollout_id
+from rlcommon.weight_store import WeightsError, check_compatible, load_version, publish_version
 from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, Sample, SamplerEngine, _VersionGate
-from sampler_svc.rollouts import build_rollouts, generate_rollouts, rollout_id, task_seed
-from sampler_svc.weights import NcclWeightReceiver, WeightsError, check_compatible, load_version
+from sampler_svc.rollouts import build_rollouts, generate_rollouts, task_seed
 
 # ------------------------------------------------------------------------------------------ version gate
 
@@ -330,6 +330,7 @@ def test_check_compatible_names_the_differing_keys(tmp_path, tiny_source):
         check_compatible(other, source)
 
 
-def test_nccl_receiver_needs_the_nccl_setting():
-    with pytest.raises(ValueError, match="weight_transfer = 'nccl'"):
-        NcclWeightReceiver(fake_engine(3))
+def test_weight_transfer_has_one_transport_until_nccl_is_built():
+    assert SamplerConfig().weight_transfer == "path"
+    with pytest.raises(ValueError, match="weight_transfer"):
+        SamplerConfig(weight_transfer="nccl")

@@ -1,0 +1,26 @@
+"""Names of the slots of a batch plan, spoken by all three services.
+
+Group g of batch k is the Task `b{k}-g{g}` (the coordinator writes it, the sampler seeds from it); sample i
+of that task is the rollout `b{k}-g{g}:{i}` (the sampler names it, the trainer keeps one rollout per name).
+The weight version is deliberately not part of a rollout's id: a task redelivered after a sync must not
+produce a second rollout for the same slot. Ids are stable across restarts: they depend on the plan only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["rollout_id", "slot_rollout_id", "task_id_of"]
+
+
+def task_id_of(batch_id: int, group_id: int) -> str:
+    """Id of the Task of group `group_id` of batch `batch_id`."""
+    return f"b{batch_id}-g{group_id}"
+
+
+def rollout_id(task_id: str, sample_index: int) -> str:
+    """Idempotency key of a rollout: its slot in the plan, `"{task_id}:{sample_index}"`."""
+    return f"{task_id}:{sample_index}"
+
+
+def slot_rollout_id(batch_id: int, group_id: int, sample_index: int) -> str:
+    """The id a rollout of slot (batch, group, sample) must carry."""
+    return rollout_id(task_id_of(batch_id, group_id), sample_index)
