@@ -36,7 +36,7 @@ compose-test: $(STAMP)
 		$(BIN)/python -m pytest -s -v tests/compose $(PYTEST_ARGS)
 
 run: $(STAMP)
-	$(BIN)/python -m rlcommon.launcher $(ARGS)
+	$(BIN)/python -m launcher $(ARGS)
 
 experiment: $(STAMP)
 	$(BIN)/python -m experiments.dlc_repro $(ARGS)

@@ -32,7 +32,7 @@ built and cached by rlcommon/tiny_model.py). Progress lines go to stderr, one JS
   dropped from the page cache first (as a sampler on another node reads them), against the floor bytes / disk
   bandwidth: write (+ fsync) and read (page cache dropped) of one large file in the same folder; and sha256 MB/s,
   and the sha256 check alone, before the engine starts (`verify_s`) and while it is up (`verify_engine_up_s`).
-- **end_to_end** (`--no-e2e` skips it): `rlcommon.launcher.run` (what `make run` runs: redis-server, coordinator,
+- **end_to_end** (`--no-e2e` skips it): `launcher.run.run` (what `make run` runs: redis-server, coordinator,
   one sampler, the trainer, as processes; configs/default.toml) for `--e2e-steps` steps with tiny B, G and
   max_tokens: time to the first step, then per step.
 A part that fails (or a configuration stopped past `--memory-limit-gb`) is reported as {"error": ...}. The
@@ -677,7 +677,7 @@ async def _measure_sampler(
 
 def bench_end_to_end(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     """`make run` on the preset for a few steps (the launcher's `run`, no progress bar)."""
-    from rlcommon.launcher import parse_args, run
+    from launcher.run import parse_args, run
 
     run_dir = work_dir / "e2e-run"
     cfg, _ = parse_args([
@@ -805,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
                         "`always`: a publish + reload after every step)")
     args = parser.parse_args(argv)
 
-    from rlcommon.tiny_model import PRESETS, RealShape, preset_config_json, resolve_model
+    from rlcommon.models import resolve_model
+    from rlcommon.tiny_model import PRESETS, RealShape, preset_config_json
 
     if not isinstance(PRESETS.get(args.preset), RealShape):
         real = [name for name, shape in PRESETS.items() if isinstance(shape, RealShape)]
@@ -876,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
             ), name="sampler", memory_limit_bytes=int(args.memory_limit_gb * GB), timeout_s=args.timeout_s)
             report.update(result if "error" not in result else {"sampler": result})
         if not args.no_e2e:
-            log(f"[e2e] rlcommon.launcher.run on {args.preset}, {args.e2e_steps} steps")
+            log(f"[e2e] launcher.run.run on {args.preset}, {args.e2e_steps} steps")
             try:
                 report["end_to_end"] = bench_end_to_end(args, Path(tmp))
             except Exception as err:  # reported; the figures above stand

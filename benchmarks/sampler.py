@@ -188,7 +188,7 @@ def bench_preset(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlcommon.tiny_model import resolve_model
+    from rlcommon.models import resolve_model
     from rlcommon.weight_store import publish_version
 
     model_dir = resolve_model(ModelConfig(name_or_path=preset), TaskConfig())

@@ -68,7 +68,7 @@ def worker(out: str, preset: str, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.trainer_step import build_model, make_rollouts
+    from benchmarks.trainer_inputs import build_model, make_rollouts
     from rlcommon.config import TrainerConfig
     from rlcommon.tiny_model import preset_tokenizer
     from trainer_svc.parallel import DataParallel

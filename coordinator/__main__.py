@@ -3,46 +3,22 @@
 Loads `RunConfig` (TOML files in order, then `DLC_*` environment variables, then dotted overrides),
 connects to Redis (`redis.url`; without one, starts an embedded redis-server in `redis.data_dir`, default
 `<run_dir>/redis`), resumes or creates the run's state, and serves gRPC until SIGTERM or SIGINT.
-Exit codes: 0 after a signal, 2 for a bad configuration, 1 for any other fatal error (the message says
-what and how to fix it).
+Exit codes (rlcommon/entrypoint.py): 0 after a signal, 2 for a bad configuration, 1 for any other fatal
+error (the message says what and how to fix it).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from pathlib import Path
 
-from rlcommon.config import ConfigError, RunConfig, load_config
+from rlcommon.config import RunConfig
+from rlcommon.entrypoint import EXIT_OK, run_service, stop_event
 
 logger = logging.getLogger("coordinator")
-
-
-def parse_args(argv: list[str] | None) -> RunConfig:
-    parser = argparse.ArgumentParser(
-        prog="python -m coordinator",
-        description="The coordinator of an RL run (batch plan, weight versions, sync policy, samplers).",
-        epilog="Any other --section.key VALUE overrides the config, e.g. --coordinator.sync_policy every_k.",
-    )
-    parser.add_argument(
-        "--config",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="TOML config (repeatable; later files win); default: built-in defaults",
-    )
-    parser.add_argument(
-        "--port", type=int, default=None, help="gRPC port (0 = a free one); overrides coordinator.port"
-    )
-    args, rest = parser.parse_known_args(argv)
-    overrides = list(rest)
-    if args.port is not None:
-        overrides += ["--coordinator.port", str(args.port)]
-    return load_config(RunConfig, args.config, overrides, use_env=True)
 
 
 async def serve(cfg: RunConfig) -> int:
@@ -76,38 +52,31 @@ async def serve(cfg: RunConfig) -> int:
             start_metrics_server(cfg.coordinator.metrics_port)
             metrics = MetricsSink(service="coordinator")
         server = CoordinatorServer(cfg, coordinator, metrics=metrics)
+        stopping = stop_event()
         await server.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await stopping.wait()
         logger.info("signal received: stopping")
         await server.stop()
-    return 0
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = parse_args(argv)
-    except ConfigError as err:
-        print(f"coordinator: error: {err}", file=sys.stderr)
-        return 2
     from coordinator.planner import PlanError
     from coordinator.service import StartupError
     from rlcommon.bus import BusAuthError, BusUnavailableError
     from rlcommon.embedded_redis import EmbeddedRedisError
 
-    try:
-        return asyncio.run(serve(cfg))
-    except (
-        StartupError, PlanError, BusUnavailableError, BusAuthError, EmbeddedRedisError, OSError, ValueError
-    ) as err:
-        print(f"coordinator: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
+    return run_service(
+        "coordinator",
+        "python -m coordinator",
+        "The coordinator of an RL run (batch plan, weight versions, sync policy, samplers).",
+        argv,
+        lambda cfg: asyncio.run(serve(cfg)),
+        port_flag=True,
+        user_errors=(
+            StartupError, PlanError, BusUnavailableError, BusAuthError, EmbeddedRedisError, OSError, ValueError
+        ),
+    )
 
 
 if __name__ == "__main__":

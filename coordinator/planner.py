@@ -415,7 +415,8 @@ def encoder_for(model_cfg: Any, task_cfg: Any) -> Callable[[str], Sequence[int]]
     A builder preset uses the tokenizer the preset is built with (the model itself need not exist yet);
     a local folder or a hub snapshot is read with `rlcommon.tokenizer.load_tokenizer`.
     """
-    from rlcommon.tiny_model import model_source, preset_tokenizer, resolve_model
+    from rlcommon.models import model_source, resolve_model
+    from rlcommon.tiny_model import preset_tokenizer
     from rlcommon.tokenizer import load_tokenizer
 
     try:

@@ -125,7 +125,7 @@ async def run_experiment(
     from experiments.engines import EnginePool
     from experiments.kl import ReferenceStore
     from experiments.runner import ExperimentContext, build_problems
-    from rlcommon.tiny_model import resolve_model
+    from rlcommon.models import resolve_model
     from rlcommon.tokenizer import load_tokenizer
     from rlcommon.weight_store import publish_version
 

@@ -522,14 +522,3 @@ def dump_toml(config: BaseModel) -> str:
         return obj
 
     return tomli_w.dumps(drop_none(config.model_dump(mode="json")))
-
-
-def parse_service_args(prog: str, description: str | None, argv: list[str] | None) -> RunConfig:
-    """`--config FILE` (repeatable) plus dotted overrides, with `DLC_*` environment variables between them:
-    how every service entrypoint (`python -m trainer_svc`, `python -m sampler_svc`) reads its settings."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", action="append", default=[], help="TOML config (repeatable; later wins)")
-    args, overrides = parser.parse_known_args(argv)
-    return load_config(RunConfig, args.config, overrides, use_env=True)

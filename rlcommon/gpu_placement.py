@@ -25,9 +25,11 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcommon.config import ConfigError
 
-class PlacementError(RuntimeError):
-    """No GPU can be placed (an empty or overlapping pool, or every GPU of the pool held)."""
+
+class PlacementError(ConfigError):
+    """No GPU can be placed (an empty or overlapping pool, or every GPU of the pool held): a service exits 2."""
 
 
 def visible_gpus(environ: dict[str, str] | None = None, dev: str | Path = "/dev") -> list[int]:

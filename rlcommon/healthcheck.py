@@ -1,8 +1,8 @@
 """`python -m rlcommon.healthcheck [--pid N]`: the images' container health check.
 
 Finds which service the container's main process runs (its command line, `/proc/<pid>/cmdline`, PID 1 by
-default), reads that service's configuration the way the service did (the same `--config` files and
-overrides, the same `DLC_*` environment), and asks the service itself:
+default), reads that service's configuration the way the service did (`rlcommon.entrypoint.config_from_args`:
+the same `--config` files and overrides, the same `DLC_*` environment), and asks the service itself:
 
 - coordinator: the standard gRPC health service on its port answers SERVING (TLS and token as configured);
 - trainer, sampler: their Prometheus endpoint (`metrics_port`) answers `GET /metrics` with 200.
@@ -18,7 +18,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from rlcommon.config import ConfigError, RunConfig, load_config
+from rlcommon.config import ConfigError, RunConfig
+from rlcommon.entrypoint import config_from_args
 
 SERVICES = ("coordinator", "trainer_svc", "sampler_svc")
 
@@ -29,17 +30,6 @@ def service_of(argv: list[str]) -> tuple[str, list[str]] | None:
         if arg == "-m" and argv[i + 1] in SERVICES:
             return argv[i + 1], argv[i + 2 :]
     return None
-
-
-def config_of(args: list[str]) -> RunConfig:
-    """The service's configuration from its own arguments (`--config FILE`..., `--port N`, dotted overrides)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config", action="append", default=[])
-    parser.add_argument("--port", type=int, default=None)
-    known, overrides = parser.parse_known_args(args)
-    if known.port is not None:
-        overrides += ["--coordinator.port", str(known.port)]
-    return load_config(RunConfig, known.config, overrides, use_env=True)
 
 
 def probe(module: str, cfg: RunConfig, *, timeout_s: float = 3.0) -> str | None:
@@ -77,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     module, rest = found
     try:
-        cfg = config_of(rest)
+        cfg = config_from_args(rest, port_flag=module == "coordinator")
     except ConfigError as err:
         print(f"healthcheck: {module}: {err}", file=sys.stderr)
         return 1

@@ -284,7 +284,7 @@ def load_tokenizer(model_dir: str | Path) -> TextTokenizer:
     if not folder.is_dir():
         raise ValueError(
             f"load_tokenizer: {folder} is not a folder; resolve a preset or hub name first "
-            "(rlcommon.tiny_model.resolve_model)"
+            "(rlcommon.models.resolve_model)"
         )
     path = folder / "tokenizer.json"
     if not path.is_file():

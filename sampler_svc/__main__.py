@@ -1,14 +1,17 @@
-"""`python -m sampler_svc --config FILE [--a.b VALUE ...]`: run one sampler service (vLLM engine)."""
+"""`python -m sampler_svc --config FILE [--a.b VALUE ...]`: run one sampler service (vLLM engine).
+
+Exit codes (rlcommon/entrypoint.py): 0 after a stop signal, 2 for a bad configuration (also no GPU left to
+place it on), 1 when the engine or the service failed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 
-from rlcommon.config import ConfigError, RunConfig, parse_service_args
-from rlcommon.logs import setup_logging
+from rlcommon.config import RunConfig
+from rlcommon.entrypoint import EXIT_FAILED, EXIT_OK, run_service, stop_event
 
 logger = logging.getLogger("sampler")
 
@@ -17,9 +20,7 @@ async def serve(cfg: RunConfig) -> int:
     from sampler_svc.service import SamplerService
 
     service = SamplerService(cfg)
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, service.stopping.set)
+    stop_event(service.stopping)  # a stop signal, or the service itself after a failure
     try:
         await service.start()
         runner = asyncio.create_task(service.run())
@@ -30,31 +31,21 @@ async def serve(cfg: RunConfig) -> int:
         await service.stop()
     if service.failure is not None:
         logger.error("sampler stopped after a failure: %r", service.failure)
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def run(cfg: RunConfig) -> int:
+    from rlcommon.gpu_placement import place
+
+    claim = place("sampler", cfg.placement)  # before vLLM starts CUDA; held until the process exits
+    if claim is not None:
+        logger.info("placement: this replica uses GPU %d (lock %s)", claim.gpu, claim.path)
+    return asyncio.run(serve(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = parse_service_args("python -m sampler_svc", __doc__, argv)
-    except ConfigError as err:
-        print(f"sampler: {err}", file=sys.stderr)
-        return 2
-    setup_logging("sampler", cfg.run_dir)
-    from rlcommon.gpu_placement import PlacementError, place
-
-    try:
-        claim = place("sampler", cfg.placement)  # before vLLM starts CUDA; held until the process exits
-    except PlacementError as err:
-        print(f"sampler: {err}", file=sys.stderr)
-        return 2
-    if claim is not None:
-        logger.info("placement: this replica uses GPU %d (lock %s)", claim.gpu, claim.path)
-    try:
-        return asyncio.run(serve(cfg))
-    except Exception:
-        logger.exception("sampler failed")
-        return 1
+    return run_service("sampler", "python -m sampler_svc", __doc__, argv, run)
 
 
 if __name__ == "__main__":

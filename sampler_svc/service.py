@@ -23,8 +23,8 @@ from protos import coordinator_pb2 as pb
 from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
+from rlcommon.models import resolve_model
 from rlcommon.rpc import AsyncCoordinatorClient
-from rlcommon.tiny_model import resolve_model
 from rlcommon.weight_store import WeightsError
 from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, SamplerEngine

@@ -3,7 +3,8 @@
 With `trainer.parallel.dp_shard = N > 1` it starts itself again under torchrun (`--standalone
 --nproc-per-node N`, unless torchrun already started it): rank 0 runs the service, ranks 1..N-1 follow it
 (trainer_svc/ranks.py). A stop signal reaches every rank; rank 0 finishes the current step, checkpoints and
-tells the others to stop.
+tells the others to stop. Exit codes (rlcommon/entrypoint.py): 0 when every step is trained or after a stop
+signal, 2 for a bad configuration, 1 for a failure.
 """
 
 from __future__ import annotations
@@ -13,31 +14,26 @@ import os
 import signal
 import sys
 
-from rlcommon.config import ConfigError, parse_service_args
+from rlcommon.config import ConfigError, RunConfig
+from rlcommon.entrypoint import EXIT_OK, on_stop_signals, run_service
 from rlcommon.logs import setup_logging
 
 logger = logging.getLogger("trainer")
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = parse_service_args("python -m trainer_svc", __doc__, argv)
-    except ConfigError as err:
-        print(f"trainer: {err}", file=sys.stderr)
-        return 2
+def run(cfg: RunConfig, argv: list[str]) -> int:
     shards = cfg.trainer.parallel.dp_shard
     if shards > 1 and "RANK" not in os.environ:  # not under torchrun yet: become torchrun
-        args = sys.argv[1:] if argv is None else list(argv)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={shards}",
-                   "-m", "trainer_svc", *args]
+                   "-m", "trainer_svc", *argv]
         os.execv(sys.executable, command)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != shards:
-        print(f"trainer: started as {world} ranks (WORLD_SIZE) but trainer.parallel.dp_shard is {shards}; "
-              f"use torchrun --nproc-per-node {shards}, or let python -m trainer_svc start it", file=sys.stderr)
-        return 2
+        raise ConfigError(f"started as {world} ranks (WORLD_SIZE) but trainer.parallel.dp_shard is {shards}; "
+                          f"use torchrun --nproc-per-node {shards}, or let python -m trainer_svc start it")
     rank = int(os.environ.get("RANK", "0"))
-    setup_logging("trainer" if rank == 0 else f"trainer-rank{rank}", cfg.run_dir)
+    if rank > 0:
+        setup_logging(f"trainer-rank{rank}", cfg.run_dir)
     from rlcommon.gpu_placement import place
 
     place("trainer", cfg.placement)  # CUDA_VISIBLE_DEVICES = placement.trainer_gpus when placement is on
@@ -50,44 +46,40 @@ def main(argv: list[str] | None = None) -> int:
 
     service = TrainerService(cfg, parallel)
 
-    def on_signal(signum, _frame):
+    def on_signal(signum: int) -> None:
         logger.info("signal %d: stopping after the current step", signum)
         service.request_stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_stop_signals(on_signal)
     failed = True
     try:
         service.start()
         service.run()
         service.finish()
         failed = False
-    except Exception:
-        logger.exception("trainer failed")
-        return 1
     finally:
-        if hasattr(service, "metrics"):
-            # After a failure the other ranks may be inside an operation rank 0 left: no stop for them (they
-            # would wait for it forever); torchrun ends them when rank 0 exits non-zero.
-            service.stop(announce=not failed)
-    return 0
+        # After a failure the other ranks may be inside an operation rank 0 left: no stop for them (they
+        # would wait for it forever); torchrun ends them when rank 0 exits non-zero.
+        service.stop(announce=not failed)
+    return EXIT_OK
 
 
-def follow(cfg, parallel) -> int:
+def follow(cfg: RunConfig, parallel) -> int:
     """Ranks > 0: the same model and resume as rank 0, then its operations until it says stop. Stop signals
     are rank 0's to act on (it finishes the step and checkpoints with every rank's help)."""
     from trainer_svc.ranks import Ranks
     from trainer_svc.service import build_train_step
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        train_step, *_ = build_train_step(cfg, parallel)
-        Ranks(train_step, parallel).follow()
-    except Exception:
-        logger.exception("trainer rank %d failed", parallel.rank)
-        return 1
-    return 0
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    train_step, *_ = build_train_step(cfg, parallel)
+    Ranks(train_step, parallel).follow()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    return run_service("trainer", "python -m trainer_svc", __doc__, args, lambda cfg: run(cfg, args))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -33,9 +34,9 @@ from protos import coordinator_pb2 as pb
 from rlcommon.bus import Delivery, RedisConnection, StreamConsumer
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
+from rlcommon.models import resolve_model
 from rlcommon.plan_ids import slot_rollout_id
 from rlcommon.rpc import CoordinatorClient
-from rlcommon.tiny_model import resolve_model
 from rlcommon.tokenizer import load_tokenizer
 from rlcommon.weight_store import (
     PublishedVersion,
@@ -110,7 +111,14 @@ class TrainerService:
         """How often the trainer reports the slots it holds of the batch it waits on."""
         self.release_after: dict[int, int] = {}
         """weight version -> last batch id that may hold its rollouts (set once no live sampler serves it)."""
-        self._stopping = False
+        self.stopping = threading.Event()
+        """Set by `request_stop` (a stop signal) or `stop`: `run` returns after the current step."""
+        self.started = False
+        """`start` completed: `stop` closes only what was opened."""
+        self.ranks: Ranks | None = None
+        self.metrics: MetricsSink | None = None
+        self.coordinator: CoordinatorClient | None = None
+        self.conn: RedisConnection | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -145,6 +153,7 @@ class TrainerService:
             logger.info("metrics.jsonl: dropped %d rows of steps >= %d (trained again from the checkpoint)",
                         dropped, self.train_step.step)
         self.metrics = MetricsSink(service="trainer", jsonl_path=metrics_path, tensorboard_dir=self.run_dir / "tensorboard")
+        self.started = True
         return self
 
     def finish(self) -> None:
@@ -156,24 +165,25 @@ class TrainerService:
 
     def request_stop(self) -> None:
         """Stop after the current step (a signal handler may call it)."""
-        self._stopping = True
+        self.stopping.set()
 
     def stop(self, *, announce: bool = True) -> None:
         """Close everything; `announce`: tell the other ranks to stop (not after a failure: they may be inside
-        an operation this rank left)."""
-        self._stopping = True
-        if announce and not self.ranks.stopped:
+        an operation this rank left). After a failed `start`, closes what it had opened."""
+        self.stopping.set()
+        if announce and self.ranks is not None and not self.ranks.stopped:
             self.ranks.do("stop")  # the other ranks leave their loop
-        self.write_state()
-        self.metrics.close()
-        self.coordinator.close()
-        self.conn.close()
+        if self.started:
+            self.write_state()
+        for resource in (self.metrics, self.coordinator, self.conn):
+            if resource is not None:
+                resource.close()
 
     # ------------------------------------------------------------------------------------------ main loop
 
     def run(self) -> None:
         """Train batches in plan order until `steps` are done (or stop() is called)."""
-        while self.train_step.step < self.cfg.steps and not self._stopping:
+        while self.train_step.step < self.cfg.steps and not self.stopping.is_set():
             buffer = self.buffers.get(self.next_batch_id)
             if buffer is not None and len(buffer.rollouts) == self.samples_per_batch:
                 self.train_batch(self.next_batch_id)

@@ -31,7 +31,7 @@ def tiny_model_dir() -> Path:
     override = os.environ.get("DLC_TEST_MODEL_DIR")
     if override:
         return Path(override).resolve()
-    from rlcommon.tiny_model import resolve_model
+    from rlcommon.models import resolve_model
 
     return resolve_model(ModelConfig(cache_dir=str(REPO_ROOT / ".cache" / "models")), TaskConfig())
 

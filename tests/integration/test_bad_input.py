@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,15 +27,14 @@ import numpy as np
 import pytest
 import redis
 
+from launcher.stack import LocalStack
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon import wire
 from rlcommon.bus import stream_key
-from rlcommon.config import RunConfig, load_config
-from rlcommon.launcher import LocalStack
 from rlcommon.metrics import read_jsonl
+from tests.integration.stacks import stack_config
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 B, G = 4, 2
 RUN_ID = "badinput"
@@ -172,23 +170,14 @@ def bad_calls(stub: pb_grpc.CoordinatorStub) -> list[tuple[str, Any, Any, tuple,
 @pytest.fixture(scope="module")
 def bad_run(tmp_path_factory) -> dict[str, Any]:
     run_dir = tmp_path_factory.mktemp("badinput")
-    cfg = load_config(
-        RunConfig,
-        [REPO / "configs/default.toml"],
-        [
-            f"--steps={STEPS}",
-            f"--run_dir={run_dir}",
-            f"--bus.run_id={RUN_ID}",
-            f"--coordinator.batch_size={B}",
-            f"--coordinator.group_size={G}",
-            f"--coordinator.total_batches={STEPS}",
-            f"--coordinator.auth_token={TOKEN}",
-            "--coordinator.sync_policy=every_k",
-            "--coordinator.sync_every_k=2",
-            f"--wire.max_message_bytes={MAX_MESSAGE_BYTES}",
-            f"--model.cache_dir={REPO / '.cache/models'}",
-        ],
-    )
+    cfg = stack_config(run_dir, steps=STEPS, run_id=RUN_ID, overrides=[
+        f"--coordinator.batch_size={B}",
+        f"--coordinator.group_size={G}",
+        f"--coordinator.auth_token={TOKEN}",
+        "--coordinator.sync_policy=every_k",
+        "--coordinator.sync_every_k=2",
+        f"--wire.max_message_bytes={MAX_MESSAGE_BYTES}",
+    ])
     stack = LocalStack(cfg)
     obs: dict[str, Any] = {"run_dir": run_dir}
     client = channel = None

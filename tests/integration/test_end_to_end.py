@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from rlcommon.config import RunConfig, load_config
-from rlcommon.launcher import run
+from launcher.run import run
 from rlcommon.metrics import read_jsonl
+from tests.integration.stacks import stack_config
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -44,20 +43,11 @@ def scrape(log_path: Path) -> str:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("e2e")
-    cfg = load_config(
-        RunConfig,
-        [REPO / "configs/default.toml"],
-        [
-            f"--steps={STEPS}",
-            f"--run_dir={run_dir}",
-            "--coordinator.ess_threshold=0.99",
-            "--coordinator.max_inflight_batches=1",
-            "--trainer.lr=2e-3",
-            "--bus.run_id=e2e",
-            f"--model.cache_dir={REPO / '.cache/models'}",
-        ],
-    )
-    cfg.coordinator.total_batches = STEPS
+    cfg = stack_config(run_dir, steps=STEPS, run_id="e2e", overrides=[
+        "--coordinator.ess_threshold=0.99",
+        "--coordinator.max_inflight_batches=1",
+        "--trainer.lr=2e-3",
+    ])
     live: dict = {"prometheus": {}, "redis_client_users": set()}
 
     def before_stop(stack):

@@ -38,14 +38,15 @@ import numpy as np
 import pytest
 import redis
 
+from launcher.stack import LocalStack
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon import wire
 from rlcommon.bus import StreamConsumer, stream_key
 from rlcommon.config import RunConfig, load_config
-from rlcommon.launcher import LocalStack
 from rlcommon.metrics import read_jsonl
 from rlcommon.weight_store import manifest_sha256, version_folder
+from tests.integration.stacks import stack_config
 from trainer_svc.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
@@ -354,27 +355,18 @@ def watch_silent_sampler(driver: FaultDriver) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def fault_run(tmp_path_factory) -> dict[str, Any]:
     run_dir = tmp_path_factory.mktemp("faults")
-    cfg = load_config(
-        RunConfig,
-        [REPO / "configs/default.toml"],
-        [
-            f"--steps={STEPS}",
-            f"--run_dir={run_dir}",
-            "--num_samplers=2",
-            f"--bus.run_id={RUN_ID}",
-            "--bus.claim_idle_ms=3000",
-            f"--coordinator.batch_size={B}",
-            f"--coordinator.group_size={G}",
-            "--coordinator.sync_policy=every_k",
-            f"--coordinator.sync_every_k={SYNC_EVERY}",
-            f"--coordinator.sync_ack_timeout_s={ACK_TIMEOUT_S}",
-            f"--coordinator.total_batches={STEPS}",
-            f"--trainer.checkpoint_every={CHECKPOINT_EVERY}",
-            "--trainer.keep_checkpoints=2",
-            f"--model.cache_dir={REPO / '.cache/models'}",
-            "--redis.appendfsync=always",  # so that a kill -9 of redis-server loses no acknowledged write
-        ],
-    )
+    cfg = stack_config(run_dir, steps=STEPS, run_id=RUN_ID, overrides=[
+        "--num_samplers=2",
+        "--bus.claim_idle_ms=3000",
+        f"--coordinator.batch_size={B}",
+        f"--coordinator.group_size={G}",
+        "--coordinator.sync_policy=every_k",
+        f"--coordinator.sync_every_k={SYNC_EVERY}",
+        f"--coordinator.sync_ack_timeout_s={ACK_TIMEOUT_S}",
+        f"--trainer.checkpoint_every={CHECKPOINT_EVERY}",
+        "--trainer.keep_checkpoints=2",
+        "--redis.appendfsync=always",  # so that a kill -9 of redis-server loses no acknowledged write
+    ])
     driver = FaultDriver(cfg)
     obs: dict[str, Any] = {"run_dir": run_dir, "cfg": cfg}
     silent = None

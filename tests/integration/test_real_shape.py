@@ -97,7 +97,7 @@ def run_python(code: str, *, env: dict[str, str], timeout: float = 300) -> str:
 
 RESOLVE = f"""
 from rlcommon.config import ModelConfig, TaskConfig
-from rlcommon.tiny_model import resolve_model
+from rlcommon.models import resolve_model
 print(resolve_model(ModelConfig(name_or_path={HUB_NAME!r}), TaskConfig()))
 """
 
@@ -107,7 +107,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 from rlcommon.config import ModelConfig, TaskConfig, WireLimits
-from rlcommon.tiny_model import resolve_model
+from rlcommon.models import resolve_model
 from rlcommon.tokenizer import load_tokenizer
 from rlcommon.wire import Rollout, decode
 from tests.integration.test_real_shape import trainer_gaps
@@ -183,7 +183,7 @@ def trainer_model(model_dir: Path):
 @pytest.fixture(scope="module")
 def real_model_dir() -> Path:
     """The built `qwen3-0.6b-L2` folder (random init, cached under <repo>/.cache/models)."""
-    from rlcommon.tiny_model import resolve_model
+    from rlcommon.models import resolve_model
 
     return resolve_model(ModelConfig(name_or_path=PRESET, cache_dir=str(REPO_ROOT / ".cache" / "models")), TaskConfig())
 

@@ -3,7 +3,7 @@
 - it restarts a service that crashed (compose's `restart: on-failure`): the test `kill -9`s the sampler, then
   the trainer, behind the launcher's back; the launcher finds each crash itself, restarts the service, and the
   run trains every planned batch once, in order;
-- a run stopped with Ctrl-C (SIGINT to `python -m rlcommon.launcher`) stops every service, and the same
+- a run stopped with Ctrl-C (SIGINT to `python -m launcher`) stops every service, and the same
   command with the same `--run-dir` resumes it to the end.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 import psutil
 import pytest
 
-from rlcommon.config import RunConfig, load_config
-from rlcommon.launcher import run
+from launcher.run import run
 from rlcommon.metrics import read_jsonl
+from tests.integration.stacks import stack_config
 
 REPO = Path(__file__).resolve().parents[2]
 B, G = 4, 2
@@ -34,7 +34,6 @@ SMALL_RUN = [
     "--coordinator.sync_policy=every_k",
     "--coordinator.sync_every_k=3",
     "--trainer.checkpoint_every=4",  # a restarted trainer replays the steps after its checkpoint
-    f"--model.cache_dir={REPO / '.cache/models'}",
 ]
 START_TIMEOUT_S = 600.0
 """Longest the stack may take to train its first steps (vLLM CPU engine start, on a busy machine)."""
@@ -64,9 +63,7 @@ CRASH_STEPS = 16
 
 
 def test_launcher_restarts_a_killed_sampler_and_trainer(tmp_path, capsys):
-    cfg = load_config(RunConfig, [REPO / "configs/default.toml"],
-                      [f"--steps={CRASH_STEPS}", f"--run_dir={tmp_path}", "--bus.run_id=restarts", *SMALL_RUN])
-    cfg.coordinator.total_batches = CRASH_STEPS
+    cfg = stack_config(tmp_path, steps=CRASH_STEPS, run_id="restarts", overrides=SMALL_RUN)
     kills: dict[str, int] = {}
     ledger: dict[str, Any] = {}
 
@@ -110,8 +107,9 @@ RESUME_STEPS = 20
 
 
 def start_launcher(run_dir: Path, out_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "rlcommon.launcher", "--no-progress", "--steps", str(RESUME_STEPS),
-            "--run-dir", str(run_dir), "--bus.run_id=resume", *SMALL_RUN]
+    argv = [sys.executable, "-m", "launcher", "--no-progress", "--steps", str(RESUME_STEPS),
+            "--run-dir", str(run_dir), "--bus.run_id=resume", f"--model.cache_dir={REPO / '.cache/models'}",
+            *SMALL_RUN]
     # A child inherits an ignored SIGINT (a background job's), and Python then never raises KeyboardInterrupt.
     ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     if ignored:

@@ -13,7 +13,6 @@ the sampler samples it, and the run goes on. Every batch is trained once, in ord
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import redis
@@ -21,10 +20,9 @@ import redis
 from protos import coordinator_pb2 as pb
 from rlcommon import wire
 from rlcommon.bus import stream_key
-from rlcommon.config import RunConfig, load_config
+from tests.integration.stacks import stack_config
 from tests.integration.test_faults import FaultDriver, entry_id
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "stall"
 B, G = 2, 2
 STEPS = 4
@@ -56,22 +54,13 @@ class StallDriver(FaultDriver):
 @pytest.fixture(scope="module")
 def stalled_run(tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("stall")
-    cfg = load_config(
-        RunConfig,
-        [REPO / "configs/default.toml"],
-        [
-            f"--steps={STEPS}",
-            f"--run_dir={run_dir}",
-            f"--bus.run_id={RUN_ID}",
-            f"--coordinator.batch_size={B}",
-            f"--coordinator.group_size={G}",
-            "--coordinator.max_inflight_batches=2",
-            f"--coordinator.total_batches={STEPS}",
-            "--coordinator.sync_policy=always",
-            f"--coordinator.batch_stall_s={STALL_S}",
-            f"--model.cache_dir={REPO / '.cache/models'}",
-        ],
-    )
+    cfg = stack_config(run_dir, steps=STEPS, run_id=RUN_ID, overrides=[
+        f"--coordinator.batch_size={B}",
+        f"--coordinator.group_size={G}",
+        "--coordinator.max_inflight_batches=2",
+        "--coordinator.sync_policy=always",
+        f"--coordinator.batch_stall_s={STALL_S}",
+    ])
     driver = StallDriver(cfg)
     obs: dict = {"run_dir": run_dir}
     try:

@@ -17,11 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from rlcommon import wire
 from rlcommon.config import ModelConfig, TaskConfig, TrainerConfig
+from rlcommon.models import resolve_model
 from rlcommon.rewards import reward
 from rlcommon.tasks import TaskSource
-from rlcommon.tiny_model import measure_reward, resolve_model
+from rlcommon.tiny_model import measure_reward
 from rlcommon.tokenizer import load_tokenizer
-from trainer_svc.local_sampling import sample_rollouts
+from tests.torch_sampler import sample_rollouts
 from trainer_svc.step import TrainStep
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

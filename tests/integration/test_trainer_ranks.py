@@ -7,26 +7,21 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from rlcommon.config import RunConfig, load_config
-from rlcommon.launcher import run
+from launcher.run import run
 from rlcommon.metrics import read_jsonl
+from tests.integration.stacks import stack_config
 from tests.integration.test_restarts import SMALL_RUN, check_trained_once_in_order
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 14
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 def test_two_rank_trainer_trains_publishes_and_resumes(tmp_path, capsys):
-    cfg = load_config(RunConfig, [REPO / "configs/default.toml"],
-                      [f"--steps={STEPS}", f"--run_dir={tmp_path}", "--bus.run_id=ranks", *SMALL_RUN,
-                       "--trainer.parallel.dp_shard=2"])
-    cfg.coordinator.total_batches = STEPS
+    cfg = stack_config(tmp_path, steps=STEPS, run_id="ranks", overrides=[*SMALL_RUN, "--trainer.parallel.dp_shard=2"])
     killed: dict[str, int] = {}
 
     def on_progress(stack, rows):

@@ -161,7 +161,7 @@ def test_every_service_has_healthcheck():
 def test_launcher_starts_the_compose_entrypoints_with_the_same_settings(tmp_path):
     """`make run` must start what `docker compose up` starts: same modules, same config file, and every
     DLC_* variable compose sets is set by the launcher too (values differ only where the host does)."""
-    from rlcommon.launcher import service_specs
+    from launcher.processes import service_specs
 
     cfg = load_config(RunConfig, [REPO / "configs/default.toml"], ["--num_samplers=2"])
     specs = service_specs(cfg=cfg, config_path=tmp_path / "config.toml", redis_url="redis://127.0.0.1:1/0",
@@ -184,7 +184,7 @@ def test_launcher_starts_the_compose_entrypoints_with_the_same_settings(tmp_path
 
 def test_launcher_restarts_services_as_compose_does():
     """The launcher's restart policy of each service is compose's `restart:` for it."""
-    from rlcommon.launcher import RESTART_POLICY
+    from launcher.processes import RESTART_POLICY
 
     for name in ("coordinator", "sampler", "trainer"):
         compose = BASE["services"][name]
@@ -247,9 +247,9 @@ def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rul
 
     import redis
 
+    from launcher.processes import free_port
     from rlcommon.bus import stream_key
     from rlcommon.embedded_redis import find_redis_server
-    from rlcommon.launcher import free_port
 
     command = [substitute(arg) for arg in BASE["services"]["redis"]["command"]]
     port = free_port()
@@ -289,7 +289,7 @@ def test_the_coordinator_refuses_to_listen_beyond_localhost_without_a_token():
 
 def test_the_launcher_gives_each_service_its_own_redis_user(tmp_path):
     """As compose does: the embedded server's `url_for(user)` of each service's user in its DLC_REDIS__URL."""
-    from rlcommon.launcher import service_specs
+    from launcher.processes import service_specs
     from rlcommon.redis_acl import SERVICE_USERS
 
     cfg = load_config(RunConfig, [REPO / "configs/default.toml"], ["--num_samplers=2"])

@@ -127,7 +127,7 @@ def test_claim_writes_who_holds_the_gpu(tmp_path):
 
 
 def test_the_launcher_places_like_compose_only_where_there_are_gpus(tmp_path):
-    from rlcommon.launcher import placement_env
+    from launcher.processes import placement_env
 
     cpu = load_config(RunConfig, [], ["--run_dir", str(tmp_path)])
     assert placement_env(cpu, visible=[0, 1])["DLC_PLACEMENT__LOCK_DIR"] == "none"  # a CPU trainer: off

@@ -10,14 +10,15 @@ import threading
 
 import pytest
 
-from rlcommon.healthcheck import config_of, main, probe, service_of
+from rlcommon.entrypoint import config_from_args
+from rlcommon.healthcheck import main, probe, service_of
 
 
 def test_the_service_is_read_off_its_command_line():
     argv = ["/opt/venv/bin/python", "-m", "sampler_svc", "--config", "/configs/default.toml", "--sampler.metrics_port", "9"]
     assert service_of(argv) == ("sampler_svc", ["--config", "/configs/default.toml", "--sampler.metrics_port", "9"])
     assert service_of(["python", "-m", "rlcommon.tiny_model", "--preset", "tiny"]) is None
-    cfg = config_of(["--port", "7000", "--coordinator.host", "0.0.0.0"])
+    cfg = config_from_args(["--port", "7000", "--coordinator.host", "0.0.0.0"], port_flag=True)
     assert cfg.coordinator.port == 7000 and cfg.coordinator.host == "0.0.0.0"
 
 
@@ -42,9 +43,9 @@ def metrics_server():
 def test_a_trainer_or_sampler_is_healthy_while_its_metrics_answer(metrics_server, monkeypatch):
     for module, section in (("trainer_svc", "trainer"), ("sampler_svc", "sampler")):
         monkeypatch.setenv(f"DLC_{section.upper()}__METRICS_PORT", str(metrics_server))
-        assert probe(module, config_of([])) is None
+        assert probe(module, config_from_args([])) is None
     monkeypatch.setenv("DLC_TRAINER__METRICS_PORT", "1")  # nothing listens on port 1
-    problem = probe("trainer_svc", config_of([]), timeout_s=2)
+    problem = probe("trainer_svc", config_from_args([]), timeout_s=2)
     assert problem.startswith("http://127.0.0.1:1/metrics: ")
 
 
@@ -52,7 +53,7 @@ def test_a_coordinator_that_does_not_listen_is_unhealthy():
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert probe("coordinator", config_of(["--port", str(port)]), timeout_s=1) == (
+    assert probe("coordinator", config_from_args(["--port", str(port)], port_flag=True), timeout_s=1) == (
         "the coordinator's health service is not SERVING"
     )
 

@@ -8,15 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from rlcommon import launcher
+from launcher import processes
+from launcher.processes import ServiceDied, ServiceSpec, restart_delay
+from launcher.run import build_summary
+from launcher.stack import LocalStack
 from rlcommon.config import RunConfig
-from rlcommon.launcher import LocalStack, ServiceDied, ServiceSpec, build_summary, restart_delay
 
 
 @pytest.mark.parametrize("exit_code", [1, 2, -9, -15])
 def test_on_failure_restarts_a_crash_until_the_bound(exit_code):
     delays = [restart_delay(exit_code, restart_policy="on-failure", restarts=n, max_restarts=3) for n in range(4)]
-    assert delays[:3] == [launcher.RESTART_BACKOFF_S, 2 * launcher.RESTART_BACKOFF_S, 4 * launcher.RESTART_BACKOFF_S]
+    assert delays[:3] == [processes.RESTART_BACKOFF_S, 2 * processes.RESTART_BACKOFF_S, 4 * processes.RESTART_BACKOFF_S]
     assert delays[3] is None
 
 
@@ -25,7 +27,7 @@ def test_on_failure_leaves_a_clean_exit_stopped():
 
 
 def test_unless_stopped_restarts_a_clean_exit_too():
-    assert restart_delay(0, restart_policy="unless-stopped", restarts=0, max_restarts=3) == launcher.RESTART_BACKOFF_S
+    assert restart_delay(0, restart_policy="unless-stopped", restarts=0, max_restarts=3) == processes.RESTART_BACKOFF_S
     assert restart_delay(-9, restart_policy="unless-stopped", restarts=3, max_restarts=3) is None
 
 
@@ -35,7 +37,7 @@ def test_zero_restarts_stops_at_the_first_crash():
 
 def test_backoff_is_capped():
     delay = restart_delay(1, restart_policy="on-failure", restarts=30, max_restarts=100)
-    assert delay == launcher.RESTART_BACKOFF_MAX_S
+    assert delay == processes.RESTART_BACKOFF_MAX_S
 
 
 def test_summary_lists_the_restarted_services():
@@ -71,7 +73,7 @@ def wait_exited(stack: LocalStack, name: str) -> None:
 
 
 def test_a_crashing_service_is_restarted_then_given_up_on(tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "RESTART_BACKOFF_S", 0.01)
+    monkeypatch.setattr(processes, "RESTART_BACKOFF_S", 0.01)
     script = "import sys; print('boom', flush=True); sys.exit(3)"
     stack = stack_of(tmp_path, ScriptSpec("sampler-0", "sampler_svc", script))
     reported: list[str] = []
@@ -96,7 +98,7 @@ def test_a_crashing_service_is_restarted_then_given_up_on(tmp_path, monkeypatch)
 
 
 def test_a_clean_exit_is_left_stopped_and_returned(tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "RESTART_BACKOFF_S", 0.01)
+    monkeypatch.setattr(processes, "RESTART_BACKOFF_S", 0.01)
     stack = stack_of(tmp_path, ScriptSpec("trainer", "trainer_svc", "pass"),
                      ScriptSpec("coordinator", "coordinator", "import time; time.sleep(600)"))
     try:

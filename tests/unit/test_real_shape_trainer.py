@@ -1,7 +1,7 @@
 """The trainer on the real Qwen3-0.6B shape with 2 of its 28 layers (`qwen3-0.6b-L2`): the tied 151,936 x 1024
 embedding, the chunked LM head, float32 and bf16, on CPU without vLLM.
 
-Rollouts come from the torch sampler (`trainer_svc.local_sampling`: a float32 forward with a KV cache, another
+Rollouts come from the torch sampler (`tests/torch_sampler.py`: a float32 forward with a KV cache, another
 code path than the trainer's chunked one), short (3-token prompts, 4-token responses, 2 groups x 2 samples) so
 that a step takes seconds. A random init is close to uniform over the vocabulary: every log-prob is about
 -log(151,936) = -11.9, and the sampled and top-K ids span the whole id range.
@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM
 
 from rlcommon.config import TrainerConfig
 from rlcommon.weight_store import publish_version
+from tests.torch_sampler import sample_rollouts
 from tests.unit.trainer_helpers import is_tied, real_shape_model
 from trainer_svc.batch import build_batch
 from trainer_svc.checkpoint import load_checkpoint, save_checkpoint
-from trainer_svc.local_sampling import sample_rollouts
 from trainer_svc.logprobs import batch_logprobs
 from trainer_svc.snapshots import distinct_weights
 from trainer_svc.step import TrainStep

@@ -1,12 +1,11 @@
-"""Model builder and tokenizers: round trips, folder contents, cache hits, determinism, dispatch, the
-real-shape presets' configs and tokenizer, hub names resolved from a local cache offline.
+"""Model builder and tokenizers: round trips, folder contents, cache hits, determinism, the real-shape
+presets' configs and tokenizer. How `model.name_or_path` is resolved: test_models.py.
 
 The builds here use a few warm-start steps (seconds); the full default warm start, the real-shape build and
 the vLLM load are checked by the vLLM integration tests (test_sampler_engine.py, test_real_shape.py).
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 
 from rlcommon import tiny_model
 from rlcommon.config import ModelConfig, TaskConfig
+from rlcommon.models import resolve_model
 from rlcommon.tasks import TaskSource
 from rlcommon.tokenizer import CHARS, EOS_TOKEN, CharTokenizer, Qwen3CharTokenizer, load_tokenizer
 
@@ -83,115 +83,6 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(tmp_path)
 
 
-# ------------------------------------------------------------------------------------------------ dispatch
-
-
-def test_model_source(tmp_path):
-    assert tiny_model.model_source("tiny") == "preset"
-    assert tiny_model.model_source("small") == "preset"
-    assert tiny_model.model_source(str(tmp_path)) == "local"
-    assert tiny_model.model_source("Qwen/Qwen3-0.6B") == "hub"
-    assert tiny_model.model_source("gpt2") == "hub"
-    for bad in ["./missing-model", str(tmp_path / "missing"), "~/nope", "a/b/c", "has space/x"]:
-        with pytest.raises(ValueError, match="no such local folder"):
-            tiny_model.model_source(bad)
-
-
-def test_resolve_local_folder(tmp_path):
-    with pytest.raises(ValueError, match="has no config.json"):
-        tiny_model.resolve_model(ModelConfig(name_or_path=str(tmp_path)), TaskConfig())
-    (tmp_path / "config.json").write_text("{}")
-    assert (
-        tiny_model.resolve_model(ModelConfig(name_or_path=str(tmp_path)), TaskConfig()) == tmp_path.resolve()
-    )
-
-
-def test_resolve_preset_builds_with_config_fields(monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        tiny_model, "build_tiny_model", lambda preset, **kw: calls.append((preset, kw)) or Path("x")
-    )
-    task_cfg = TaskConfig(difficulty=2)
-    model_cfg = ModelConfig(name_or_path="small", seed=3, cache_dir="/c", warm_start_steps=7)
-    assert tiny_model.resolve_model(model_cfg, task_cfg) == Path("x")
-    assert calls == [("small", {"task_cfg": task_cfg, "seed": 3, "cache_dir": "/c", "warm_start_steps": 7})]
-
-
-def test_resolve_hub_name_uses_the_download(tmp_path):
-    got = tiny_model.resolve_model(
-        ModelConfig(name_or_path="org/model"), TaskConfig(), download=lambda name: tmp_path
-    )
-    assert got == tmp_path.resolve()
-
-
-def test_resolve_hub_name_offline_is_a_clear_error(monkeypatch):
-    from huggingface_hub import constants
-
-    def offline(repo_id):
-        raise OSError("network is unreachable")
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(tiny_model, "_snapshot_download", offline)
-    with pytest.raises(
-        tiny_model.ModelNotFoundError,
-        match=r"could not download hub model 'Qwen/Qwen3-0.6B'.*unreachable.*not in the Hugging Face cache.*preset",
-    ):
-        tiny_model.resolve_model(ModelConfig(name_or_path="Qwen/Qwen3-0.6B"), TaskConfig())
-
-
-RESOLVE_HUB_NAME = (
-    "import sys; from rlcommon.config import ModelConfig, TaskConfig; "
-    "from rlcommon.tiny_model import resolve_model; "
-    "print(resolve_model(ModelConfig(name_or_path=sys.argv[1]), TaskConfig())); "
-    "assert 'torch' not in sys.modules, 'torch imported'"
-)
-
-
-def resolve_in_service_process(name: str, hf_home: Path) -> subprocess.CompletedProcess:
-    """`resolve_model` as a service runs it at start-up: a fresh process with HF_HOME and HF_HUB_OFFLINE=1
-    in its environment (huggingface_hub reads both when it is imported)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
-    env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-c", RESOLVE_HUB_NAME, name],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
-    )
-
-
-def test_hub_name_resolves_from_the_local_cache_offline(tmp_path):
-    """A snapshot laid out as huggingface_hub does (blobs, snapshots/<rev> of symlinks, refs/main) is what
-    the name resolves to, with no network. The vLLM and transformers loads of it: test_real_shape.py."""
-    revision = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B"
-    snapshot = repo / "snapshots" / revision
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    (repo / "blobs" / "abc").write_text(json.dumps(tiny_model.hub_config("qwen3-0.6b")))
-    (snapshot / "config.json").symlink_to(Path("..", "..", "blobs", "abc"))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
-    done = resolve_in_service_process("Qwen/Qwen3-0.6B", tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert Path(done.stdout.strip()) == snapshot.resolve()
-
-
-def test_missing_hub_model_offline_is_one_clear_error(tmp_path):
-    done = resolve_in_service_process("Qwen/Qwen3-1.7B", tmp_path)
-    assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("rlcommon.tiny_model.ModelNotFoundError: model.name_or_path: hub model 'Qwen/Qwen3-1.7B'")
-    for part in (
-        f"is not in the Hugging Face cache {tmp_path / 'hub'} (HF_HOME={tmp_path})",
-        "HF_HUB_OFFLINE=1 forbids downloading it",
-        "`hf download Qwen/Qwen3-1.7B`",
-        "models--Qwen--Qwen3-1.7B",
-        "local model folder",
-        "qwen3-1.7b-L2",
-    ):
-        assert part in last, part
-    assert "During handling" not in done.stderr and "direct cause" not in done.stderr, "one error, no chain"
-
-
 # ---------------------------------------------------------------------------------------------- real shapes
 
 
@@ -248,7 +139,6 @@ def test_real_shape_presets_change_only_the_number_of_layers():
         hub = tiny_model.hub_config(spec.config)
         assert config == hub | {"num_hidden_layers": spec.num_layers or hub["num_hidden_layers"]}, name
         assert isinstance(tiny_model.preset_tokenizer(name), Qwen3CharTokenizer)
-        assert tiny_model.model_source(name) == "preset"
     assert tiny_model.preset_config_json("qwen3-0.6b-L2")["num_hidden_layers"] == 2
     assert tiny_model.preset_config_json("qwen3-0.6b")["num_hidden_layers"] == 28
     assert isinstance(tiny_model.preset_tokenizer("tiny"), CharTokenizer)
@@ -466,7 +356,7 @@ def test_default_build_starts_rl_with_signal_but_unsaturated():
     """The default run's model (same cache as the integration tests): sampled reward in [0.15, 0.45]."""
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_model.resolve_model(ModelConfig(cache_dir=str(REPO / ".cache" / "models")), TaskConfig())
+    folder = resolve_model(ModelConfig(cache_dir=str(REPO / ".cache" / "models")), TaskConfig())
     report = json.loads((folder / "warm_start.json").read_text())
     assert report["sharp_expected_reward"] >= 0.9
     assert report["probe_expected_reward"] == pytest.approx(tiny_model.TARGET_REWARD, abs=0.01)

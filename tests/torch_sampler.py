@@ -3,7 +3,8 @@
 Plain temperature sampling with a KV cache, one prompt group (G rows sharing a prompt) at a time. It
 reports what the vLLM sampler reports: the processed (temperature-scaled) log-prob of each sampled token
 and the top-K of the processed distribution with the sampled token always included. Used by the
-trainer's learning test and the trainer benchmark; not a replacement for the vLLM sampler service.
+trainer tests that need many cheap rollouts from a model being trained (the learning test, the real-shape
+trainer test); not a replacement for the vLLM sampler service.
 """
 
 from __future__ import annotations

@@ -1,0 +1,21 @@
+"""Local launcher (`make run`): the whole stack on this machine, with the same entrypoints and the same
+`DLC_*` settings as docker compose.
+
+    python -m launcher [--config configs/default.toml] [--steps N] [--run-dir DIR] [--a.b VALUE ...]
+
+Builds the model if missing, starts its own redis-server (unless `redis.url` is set), then the
+coordinator, `num_samplers` samplers and the trainer as processes, each logging to `<run_dir>/logs/`.
+Shows a progress bar until the trainer has trained `steps` batches, then writes `summary.json` and the
+plots, and stops everything. Ctrl-C stops every service; starting again with the same `--run-dir` resumes
+the run (Redis's append-only file, the coordinator's state, the trainer's checkpoint).
+
+A service that crashes is restarted as docker compose's `restart:` would (`RESTART_POLICY`, from
+docker-compose.yml): a sampler or the trainer on a non-zero exit (or a signal), the coordinator on any
+exit (it waits for SERVING again), each at most `max_restarts` times, after a short backoff; a line in the
+progress output says which one, its exit code and where its log is. A service left stopped (past the
+bound, or one that exits 0 before the trainer has trained every step) stops the rest, saying which one
+and where its log is.
+
+Modules: `processes` (one service as a process; compose's restart rule), `stack` (`LocalStack`, the whole
+stack, which the integration tests drive too), `run` (the run loop, progress, summary.json), `plots`.
+"""

@@ -1,0 +1,203 @@
+"""One service of the local stack as a process (compose's `command` and `environment` for it), and compose's
+`restart:` rule for a service that exited."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlcommon.config import RunConfig
+from rlcommon.rpc import CoordinatorClient
+
+logger = logging.getLogger("launcher")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ServiceSpec:
+    """One process of the stack: what compose's `command` and `environment` say for that service."""
+
+    name: str
+    module: str
+    config_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", self.module, "--config", str(self.config_path)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def placement_env(cfg: RunConfig, visible: list[int] | None = None) -> dict[str, str]:
+    """compose's GPU placement variables (rlcommon/gpu_placement.py) for the trainer and samplers: on a machine
+    with GPUs and a GPU trainer, the same placement as compose, with the locks in `<run_dir>/gpu-locks`;
+    otherwise off (`placement.lock_dir`, when set, wins)."""
+    from rlcommon.gpu_placement import visible_gpus
+
+    visible = visible_gpus() if visible is None else visible
+    lock_dir = cfg.placement.lock_dir
+    if lock_dir is None and cfg.trainer.device != "cpu" and visible:
+        lock_dir = str(Path(cfg.run_dir).resolve() / "gpu-locks")
+    sampler_gpus = cfg.placement.sampler_gpus
+    return {
+        "DLC_PLACEMENT__LOCK_DIR": lock_dir or "none",
+        "DLC_PLACEMENT__TRAINER_GPUS": ",".join(map(str, cfg.placement.trainer_gpus)),
+        "DLC_PLACEMENT__SAMPLER_GPUS": ",".join(map(str, sampler_gpus)) if sampler_gpus else "none",
+    }
+
+
+def service_specs(
+    *,
+    cfg: RunConfig,
+    config_path: Path,
+    redis_url: str,
+    model_dir: str,
+    coordinator_port: int,
+    redis_urls: dict[str, str] | None = None,
+) -> list[ServiceSpec]:
+    """The coordinator, the samplers and the trainer, with the variables docker-compose.yml sets.
+
+    redis_urls: each service's own URL by Redis user (`coordinator`, `sampler`, `trainer`: the embedded
+    server's `url_for`, rlcommon/redis_acl.py); a service without one gets redis_url."""
+    common = {
+        "DLC_REDIS__URL": redis_url,
+        "DLC_RUN_DIR": str(Path(cfg.run_dir).resolve()),
+        "DLC_BUS__RUN_ID": cfg.bus.run_id,
+        "DLC_MODEL__NAME_OR_PATH": model_dir,
+        "DLC_MODEL__CACHE_DIR": str(Path(cfg.model.cache_dir).resolve()),
+        "DLC_COORDINATOR__HOST": "127.0.0.1",
+        "DLC_COORDINATOR__PORT": str(coordinator_port),
+        "DLC_COORDINATOR__AUTH_TOKEN": cfg.coordinator.auth_token or "",
+    }
+    client = {"DLC_COORDINATOR__ADDRESS": f"127.0.0.1:{coordinator_port}", **placement_env(cfg)}
+    specs = [ServiceSpec("coordinator", "coordinator", config_path, {**common, "DLC_COORDINATOR__METRICS_PORT": "0"})]
+    for index in range(cfg.num_samplers):
+        specs.append(
+            ServiceSpec(
+                f"sampler-{index}",
+                "sampler_svc",
+                config_path,
+                {
+                    **common,
+                    **client,
+                    "DLC_SAMPLER__SAMPLER_ID": f"sampler-{index}",
+                    "DLC_SAMPLER__DTYPE": cfg.sampler.dtype,
+                    "DLC_SAMPLER__GPU_MEMORY_UTILIZATION": str(cfg.sampler.gpu_memory_utilization),
+                    "DLC_SAMPLER__KV_CACHE_GIB": str(cfg.sampler.kv_cache_gib or "none"),
+                    "DLC_SAMPLER__METRICS_PORT": "0",
+                    # On a small CPU machine: the engine on one core, the other left to the trainer.
+                    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                },
+            )
+        )
+    specs.append(
+        ServiceSpec(
+            "trainer",
+            "trainer_svc",
+            config_path,
+            {**common, **client, "DLC_TRAINER__DEVICE": cfg.trainer.device, "DLC_TRAINER__METRICS_PORT": "0",
+             "DLC_TRAINER__PARALLEL__DP_SHARD": str(cfg.trainer.parallel.dp_shard)},
+        )
+    )
+    redis_user = {"coordinator": "coordinator", "sampler_svc": "sampler", "trainer_svc": "trainer"}
+    for spec in specs:
+        spec.env["DLC_REDIS__URL"] = (redis_urls or {}).get(redis_user[spec.module], redis_url)
+    return specs
+
+
+class ServiceProcess:
+    """A started service: its process and log file."""
+
+    def __init__(self, spec: ServiceSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name}.log"
+        self._log = self.log_path.open("ab")
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            spec.argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGCONT)  # a paused (SIGSTOP) service must see the SIGTERM
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0f s; killing it", self.spec.name, timeout_s)
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self._log.close()
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ServiceDied(RuntimeError):
+    pass
+
+
+RESTART_POLICY = {"coordinator": "unless-stopped", "sampler_svc": "on-failure", "trainer_svc": "on-failure"}
+"""compose's `restart:` of each service's module (docker-compose.yml; a test checks that they agree)."""
+RESTART_BACKOFF_S = 0.5
+"""Wait before a service's first restart; doubled for each further one, up to RESTART_BACKOFF_MAX_S."""
+RESTART_BACKOFF_MAX_S = 8.0
+
+
+def restart_delay(exit_code: int, *, restart_policy: str, restarts: int, max_restarts: int) -> float | None:
+    """What compose's `restart_policy` does with a service that exited with `exit_code` (negative: killed by
+    that signal) after `restarts` restarts: the seconds to wait before starting it again, or None to leave it
+    stopped. `on-failure` restarts non-zero exits only, `unless-stopped` any exit; neither past
+    `max_restarts`."""
+    if exit_code == 0 and restart_policy == "on-failure":
+        return None
+    if restarts >= max_restarts:
+        return None
+    return min(RESTART_BACKOFF_S * 2**restarts, RESTART_BACKOFF_MAX_S)
+
+
+def service_died(proc: ServiceProcess, code: int, why: str = "") -> ServiceDied:
+    return ServiceDied(
+        f"service '{proc.spec.name}' exited with code {code}{why}; its log: {proc.log_path}\n"
+        f"--- last lines ---\n{proc.log_tail()}"
+    )
+
+
+def wait_for_coordinator(client: CoordinatorClient, *, timeout_s: float, watch: list[ServiceProcess]) -> None:
+    """Block until the coordinator's gRPC health check answers SERVING."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check_alive(watch)
+        if client.serving():
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"coordinator at {client.address} did not become healthy within {timeout_s:.0f} s")
+
+
+def check_alive(processes: list[ServiceProcess]) -> None:
+    for proc in processes:
+        code = proc.poll()
+        if code is not None:
+            raise service_died(proc, code)

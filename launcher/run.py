@@ -1,0 +1,223 @@
+"""`make run`: the stack until the trainer has trained `steps` batches, with a progress bar, then
+summary.json and the plots (`python -m launcher`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import launcher
+from launcher.processes import REPO, ServiceDied, service_died
+from launcher.stack import LocalStack
+from rlcommon.config import ConfigError, RunConfig, load_config
+from rlcommon.metrics import read_jsonl
+from rlcommon.rpc import CoordinatorClient
+
+logger = logging.getLogger("launcher")
+
+
+def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: dict[str, Any], trainer_state: dict[str, Any],
+                  restarts: dict[str, int] | None = None) -> dict[str, Any]:
+    """summary.json from the trainer's metrics, the coordinator's sync history, the trainer's counters and
+    the launcher's restarts (`{"sampler-0": 1}`: only the services it restarted, `{}` when none)."""
+
+    def mean_reward(chunk: list[dict[str, Any]]) -> float | None:
+        values = [r["reward_mean"] for r in chunk if isinstance(r.get("reward_mean"), int | float)]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "method": cfg.trainer.method,
+        "sync_policy": cfg.coordinator.sync_policy,
+        "ess_threshold": cfg.coordinator.ess_threshold,
+        "steps": len(rows),
+        "batches_trained": [r.get("batch_id") for r in rows],
+        "reward_first": mean_reward(rows[:3]),
+        "reward_last": mean_reward(rows[-3:]),
+        "final_weight_version": coordinator.get("current_version"),
+        "syncs": coordinator.get("syncs", []),
+        "dead_letters": coordinator.get("dead_letters", 0),
+        "duplicates_dropped": trainer_state.get("duplicates_dropped", 0),
+        "skipped_batches": trainer_state.get("skipped_batches", 0),
+        "restarts": dict(restarts or {}),
+        "wall_seconds": coordinator.get("wall_seconds"),
+    }
+
+
+def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="python -m launcher", description=launcher.__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=None, help="TOML config (repeatable; later wins)")
+    parser.add_argument("--no-progress", action="store_true", help="per-step lines instead of a progress bar")
+    args, rest = parser.parse_known_args(argv)
+    paths = args.config or [str(REPO / "configs/default.toml")]
+    cfg = load_config(RunConfig, paths, rest)
+    if cfg.coordinator.total_batches is None:
+        cfg.coordinator.total_batches = cfg.steps
+    return cfg, args
+
+
+def coordinator_snapshot(client: CoordinatorClient) -> dict[str, Any]:
+    """Current version, sync history (oldest first) and status of the live coordinator."""
+    from protos import coordinator_pb2 as pb
+
+    status = client.call("GetStatus", pb.GetStatusRequest(), timeout_s=10)
+    syncs = client.call("ListSyncs", pb.ListSyncsRequest(limit=10_000), timeout_s=10).syncs
+    return {
+        "current_version": status.published_version,
+        "num_syncs": status.num_syncs,
+        "trained_through": status.batches.trained_through,
+        "syncs": [
+            {
+                "step": s.step,
+                "version": s.weight_version,
+                "reason": s.reason,
+                "seconds": round(s.duration_s, 4),
+                "acked_samplers": list(s.acked_samplers),
+                "unhealthy_samplers": list(s.unhealthy_samplers),
+            }
+            for s in reversed(syncs)
+        ],
+    }
+
+
+def dead_letter_count(redis_url: str, run_id: str) -> int:
+    import redis
+
+    from rlcommon.bus import stream_key
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.xlen(stream_key(run_id, "deadletter")))
+    finally:
+        client.close()
+
+
+class Progress:
+    """A progress bar (or per-step lines) fed from the trainer's metrics.jsonl."""
+
+    def __init__(self, *, total: int, metrics_path: Path, bar: bool) -> None:
+        self.metrics_path = metrics_path
+        self.seen = 0
+        self.syncs = 0
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="training")
+
+    def update(self) -> list[dict[str, Any]]:
+        rows = read_jsonl(self.metrics_path)
+        for row in rows[self.seen:]:
+            self.syncs += 1 if row.get("publish") else 0
+            fields = {
+                "reward": f"{row.get('reward_mean', float('nan')):.3f}",
+                "ess_lag": f"{row.get('ess_lag', float('nan')):.3f}",
+                "version": int(row.get("weight_version", 0)),
+                "syncs": self.syncs,
+            }
+            if self.bar is not None:
+                self.bar.set_postfix(fields, refresh=False)
+                self.bar.update(1)
+            else:
+                print(f"step {row['step']}: " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+        self.seen = len(rows)
+        return rows
+
+    def write(self, line: str) -> None:
+        """A line in the progress output (above the bar when there is one)."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run(
+    cfg: RunConfig,
+    *,
+    progress_bar: bool = True,
+    before_stop: Callable[[LocalStack], None] | None = None,
+    on_progress: Callable[[LocalStack, list[dict[str, Any]]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content.
+
+    `on_progress(stack, rows)` runs at every poll with the metrics rows so far; `before_stop(stack)` runs
+    once the trainer is done, while the other services are still up (tests query them there).
+    """
+    from launcher.plots import plot_run
+
+    started = time.monotonic()
+    stack = LocalStack(cfg)
+    progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar)
+    try:
+        stack.start()
+        while True:
+            rows = progress.update()
+            if on_progress is not None:
+                on_progress(stack, rows)
+            stopped = stack.restart_exited(max_restarts=cfg.max_restarts, report=progress.write)
+            if stopped == ["trainer"]:
+                rows = progress.update()  # its last rows may have landed after the read above
+                if len(rows) >= cfg.steps:
+                    break
+            if stopped:
+                raise service_died(stack.processes[stopped[0]], 0, f" with {len(rows)} of {cfg.steps} steps "
+                                   "trained; a clean exit is not restarted (compose's `restart: on-failure`)")
+            time.sleep(0.5)
+        rows = progress.update()
+        snapshot = coordinator_snapshot(stack.client)
+        snapshot["dead_letters"] = dead_letter_count(stack.redis_url, cfg.bus.run_id)
+        if before_stop is not None:
+            before_stop(stack)
+    finally:
+        progress.close()
+        stack.stop()
+    snapshot["wall_seconds"] = round(time.monotonic() - started, 1)
+    trainer_state_path = stack.run_dir / "trainer_state.json"
+    trainer_state = json.loads(trainer_state_path.read_text()) if trainer_state_path.exists() else {}
+    summary = build_summary(cfg=cfg, rows=rows, coordinator=snapshot, trainer_state=trainer_state,
+                            restarts=stack.restarts)
+    (stack.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plots = plot_run(rows=rows, syncs=summary["syncs"], out_dir=stack.run_dir / "plots",
+                     ess_threshold=cfg.coordinator.ess_threshold)
+    logger.info("plots: %s", ", ".join(str(p) for p in plots))
+    return summary
+
+
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the stack like Ctrl-C does
+    try:
+        cfg, args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        print(f"launcher: {err}", file=sys.stderr)
+        return 2
+    from rlcommon.models import ModelNotFoundError
+
+    try:
+        summary = run(cfg, progress_bar=not args.no_progress and sys.stderr.isatty())
+    except ModelNotFoundError as err:
+        logger.error("%s", err)
+        return 2
+    except ServiceDied as err:
+        logger.error("%s", err)
+        return 1
+    except KeyboardInterrupt:
+        logger.error("interrupted: every service was stopped")
+        return 130
+    print(json.dumps(summary, indent=2))
+    print(f"run folder: {Path(cfg.run_dir).resolve()} (summary.json, metrics.jsonl, plots/, logs/)")
+    return 0

@@ -1,0 +1,157 @@
+"""`LocalStack`: redis-server, coordinator, samplers and trainer as processes on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from launcher.processes import (
+    RESTART_POLICY,
+    ServiceDied,
+    ServiceProcess,
+    ServiceSpec,
+    check_alive,
+    free_port,
+    logger,
+    restart_delay,
+    service_died,
+    service_specs,
+    wait_for_coordinator,
+)
+from rlcommon.config import RunConfig, dump_toml
+from rlcommon.rpc import CoordinatorClient
+
+
+class LocalStack:
+    """redis-server (embedded unless `redis.url` is set), coordinator, samplers and trainer as processes.
+
+    The launcher's `run` drives one; the end-to-end and fault-injection tests drive it directly
+    (`kill`, `restart`, `restart_redis`) to exercise the real stack.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self.log_dir = self.run_dir / "logs"
+        self.processes: dict[str, ServiceProcess] = {}
+        self.redis_server = None
+        self.redis_url = cfg.redis.url
+        self.port = cfg.coordinator.port if cfg.coordinator.port not in (0, 50051) else free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.client = CoordinatorClient.from_config(cfg.coordinator, address=self.address)
+        """The launcher's own client of the coordinator (health, summary); tests use it too."""
+        self.specs: dict[str, ServiceSpec] = {}
+        self.restarts: dict[str, int] = {}
+        """Restarts of each service by `restart_exited` (only the services restarted)."""
+
+    def start(self, *, hold: tuple[str, ...] = ()) -> LocalStack:
+        """Start redis-server (if embedded), the coordinator (waiting until it serves), then every other
+        service except those in `hold` (a test starts them later with `start_service`)."""
+        from rlcommon.embedded_redis import EmbeddedRedis
+        from rlcommon.models import resolve_model
+        from rlcommon.redis_acl import SERVICE_USERS, service_users
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("model: %s", self.cfg.model.name_or_path)
+        model_dir = resolve_model(self.cfg.model, self.cfg.task)
+        config_path = self.run_dir / "config.toml"
+        config_path.write_text(dump_toml(self.cfg))
+        redis_urls = None
+        if self.redis_url is None:  # each service logs in as its own user (rlcommon/redis_acl.py)
+            self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis",
+                                              appendfsync=self.cfg.redis.appendfsync,
+                                              users=service_users(self.cfg.bus.run_id)).start()
+            self.redis_url = self.redis_server.url  # admin: the launcher's and the tests' own reads
+            redis_urls = {user: self.redis_server.url_for(user) for user in SERVICE_USERS}
+        specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
+                              model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls)
+        self.specs = {spec.name: spec for spec in specs}
+        self.start_service("coordinator")
+        wait_for_coordinator(self.client, timeout_s=120, watch=list(self.processes.values()))
+        for name in self.specs:
+            if name != "coordinator" and name not in hold:
+                self.start_service(name)
+        return self
+
+    def start_service(self, name: str) -> ServiceProcess:
+        proc = ServiceProcess(self.specs[name], self.log_dir)
+        self.processes[name] = proc
+        return proc
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a service's whole process group (engine children included), as a crash would."""
+        proc = self.processes.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.process.pid, signal.SIGKILL)
+        proc.process.wait(timeout=30)
+        proc.stop()
+
+    def send_signal(self, name: str, signum: int) -> None:
+        """Signal a service's whole process group (SIGSTOP / SIGCONT pause and resume it, engine included)."""
+        os.killpg(self.processes[name].process.pid, signum)
+
+    def restart_redis(self, *, down_s: float = 0.0, kill: bool = False) -> None:
+        """Stop the embedded redis-server cleanly (it flushes its append-only file), or `kill -9` it, leave it
+        down `down_s`, and start it again on the same port and folder; the services reconnect by themselves."""
+        if self.redis_server is None:
+            raise RuntimeError("this stack uses redis.url: it does not own a redis-server to restart")
+        if kill:
+            self.redis_server.kill()
+        else:
+            self.redis_server.stop()
+        time.sleep(down_s)
+        self.redis_server.start()
+
+    def restart(self, name: str, *, kill: bool = False) -> ServiceProcess:
+        if kill:
+            self.kill(name)
+        else:
+            self.processes.pop(name).stop()
+        proc = self.start_service(name)
+        if name == "coordinator":
+            wait_for_coordinator(self.client, timeout_s=120, watch=[proc])
+        return proc
+
+    def check_alive(self) -> None:
+        check_alive(list(self.processes.values()))
+
+    def restart_exited(self, *, max_restarts: int, report: Callable[[str], None] = print) -> list[str]:
+        """Start again each service that has exited, as compose's `restart:` would (`restart_delay`), and
+        `report` it. Returns the services that exited with code 0 and that `on-failure` leaves stopped (the
+        trainer once it is done); raises ServiceDied for one that exited once too often. A restarted
+        coordinator is waited for until it serves (one that dies while starting is seen at the next call)."""
+        stopped = []
+        for name, proc in list(self.processes.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            restarts = self.restarts.get(name, 0)
+            policy = RESTART_POLICY[proc.spec.module]
+            delay = restart_delay(code, restart_policy=policy, restarts=restarts, max_restarts=max_restarts)
+            if delay is None:
+                if code == 0 and policy == "on-failure":
+                    stopped.append(name)
+                    continue
+                raise service_died(proc, code, f" after {restarts} restarts (max_restarts = {max_restarts})")
+            self.restarts[name] = restarts + 1
+            report(f"{name} exited with code {code}; restarting ({restarts + 1} of {max_restarts}); "
+                   f"log: {proc.log_path}")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.process.pid, signal.SIGKILL)  # what is left of its group (an engine child)
+            time.sleep(delay)
+            try:
+                self.restart(name)
+            except ServiceDied:
+                pass  # the coordinator died again while starting: the next call applies the policy to it
+        return stopped
+
+    def stop(self) -> None:
+        for name in reversed(list(self.processes)):
+            self.processes.pop(name).stop()
+        self.client.close()
+        if self.redis_server is not None:
+            self.redis_server.stop()

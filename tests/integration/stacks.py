@@ -1,0 +1,27 @@
+"""The one stack configuration of the integration tests that run the whole stack (LocalStack / `run`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlcommon.config import RunConfig, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def stack_config(run_dir: Path, *, steps: int, run_id: str, overrides: Sequence[str] = ()) -> RunConfig:
+    """configs/default.toml (what `make run` runs) with this test's run folder, run id and step count (the
+    coordinator plans exactly `steps` batches), the shared model cache, then the test's own `overrides`."""
+    return load_config(
+        RunConfig,
+        [REPO_ROOT / "configs/default.toml"],
+        [
+            f"--steps={steps}",
+            f"--run_dir={run_dir}",
+            f"--bus.run_id={run_id}",
+            f"--coordinator.total_batches={steps}",
+            f"--model.cache_dir={REPO_ROOT / '.cache/models'}",
+            *overrides,
+        ],
+    )

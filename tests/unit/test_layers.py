@@ -1,0 +1,105 @@
+"""The tree's layers, read from the source: three sibling services on one platform.
+
+- a service (`coordinator`, `sampler_svc`, `trainer_svc`) imports only itself, the shared package
+  `rlcommon` and `protos`, never another service;
+- `rlcommon` imports only itself and `protos`; `protos` imports nothing of the repository;
+- no import circle among the repository's modules (every import counts: module level, inside functions and
+  under TYPE_CHECKING).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SERVICES = ("coordinator", "sampler_svc", "trainer_svc")
+PACKAGES = (*SERVICES, "rlcommon", "protos", "launcher", "experiments", "benchmarks")
+ALLOWED = {
+    **{service: {service, "rlcommon", "protos"} for service in SERVICES},
+    "rlcommon": {"rlcommon", "protos"},
+    "protos": {"protos"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def repository_modules() -> dict[str, Path]:
+    return {
+        module_name(path): path
+        for package in PACKAGES
+        for path in sorted((REPO / package).rglob("*.py"))
+    }
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The repository modules `path` imports (a `from package import name` names the submodule when there
+    is one, else the package)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+MODULES = repository_modules()
+GRAPH = {name: imports_of(path, MODULES) - {name} for name, path in MODULES.items()}
+
+
+def test_the_walk_sees_the_known_edges():
+    """The walker itself: edges that exist (module level and lazy) are found, so a pass means something."""
+    assert "rlcommon.plan_ids" in GRAPH["trainer_svc.service"]
+    assert "rlcommon.weight_store" in GRAPH["sampler_svc.engine"]
+    assert "coordinator.service" in GRAPH["coordinator.__main__"]  # imported inside serve()
+    assert "protos.coordinator_pb2" in GRAPH["rlcommon.rpc"]
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_no_service_imports_another(package):
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.split(".")[0] == package
+        for target in targets
+        if target.split(".")[0] not in ALLOWED[package]
+    )
+    assert not wrong, f"{package} may import only {sorted(ALLOWED[package])}:\n" + "\n".join(wrong)
+
+
+def test_no_import_circle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == 1:
+                circles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
