@@ -588,6 +588,7 @@ class Coordinator:
                 stats=clean_stats,
                 ess_threshold=self.ccfg.ess_threshold,
                 every_k=self.ccfg.sync_every_k,
+                max_lag_steps=self.ccfg.max_lag_steps,
                 manual_reasons=self.triggers.pending(),
                 sync_in_progress=self.syncs.active.weight_version if self.syncs.active is not None else None,
             )
@@ -784,7 +785,10 @@ class Coordinator:
             num_syncs=len(self.syncs),
             started_at=self.started_at,
             sync_policy_detail=describe(
-                self.ccfg.sync_policy, ess_threshold=self.ccfg.ess_threshold, every_k=self.ccfg.sync_every_k
+                self.ccfg.sync_policy,
+                ess_threshold=self.ccfg.ess_threshold,
+                every_k=self.ccfg.sync_every_k,
+                max_lag_steps=self.ccfg.max_lag_steps,
             ),
             batch_size=self.ccfg.batch_size,
             group_size=self.ccfg.group_size,

@@ -4,9 +4,17 @@
   threshold (default 0.5): the sampler's weights have drifted too far from the trainer's. Not while a
   sync is still in progress: batches sampled before it keep a low ESS for a few steps, and publishing
   again would only supersede a version the samplers are loading (a sync storm).
-- `every_k`: publish at steps k, 2k, 3k, ... (step a positive multiple of k).
+- `every_k`: publish after every k trained steps: after the k-th batch, the 2k-th, ... (the trainer reports
+  the index of the step it just trained, counted from 0: steps k-1, 2k-1, ...).
 - `always`: publish after every step (on-policy up to the in-flight batches).
 - `never`: never publish (a fully stale sampler), except on a manual trigger.
+
+Staleness cap (`coordinator.max_lag_steps`, policies `ess` and `every_k` only; the config rejects it with
+`always`, which publishes anyway, and `never`, which stays never): also publish when the batch's oldest
+rollout is at least that many trainer steps old (the report's `staleness_steps_max`), whatever the ESS or
+the step number say. Like the ESS trigger it waits while a sync is in progress: the batches sampled before
+it are old by construction. The reason names the trigger that fired (`ess: ...`, `every_k: ...` or
+`max_lag_steps: ...`); when both fire, the policy's own trigger is named.
 
 A manual trigger (`TriggerSync`, `dlcctl sync --reason TEXT`) takes precedence over every policy: the next
 report answers publish with reason "manual: TEXT". Triggers are queued in `ManualTriggers` and consumed by
@@ -18,11 +26,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+
+from rlcommon.config import SYNC_POLICIES, SyncPolicy
 
 __all__ = [
-    "POLICIES",
-    "SyncPolicy",
     "SyncDecision",
     "PolicyInputError",
     "decide",
@@ -30,9 +37,8 @@ __all__ = [
     "ManualTriggers",
 ]
 
-SyncPolicy = Literal["ess", "every_k", "always", "never"]
-POLICIES: tuple[str, ...] = ("ess", "every_k", "always", "never")
 ESS_KEY = "ess_lag"
+LAG_KEY = "staleness_steps_max"
 MAX_REASON_CHARS = 500
 
 
@@ -60,45 +66,65 @@ def decide(
     stats: Mapping[str, float],
     ess_threshold: float = 0.5,
     every_k: int = 1,
+    max_lag_steps: int | None = None,
     manual_reasons: Sequence[str] = (),
     sync_in_progress: int | None = None,
 ) -> SyncDecision:
-    """Whether to publish after `step`, and why. Pure: the same inputs always give the same answer.
+    """Whether to publish after `step` (the index of the step just trained, from 0), and why. Pure: the same
+    inputs always give the same answer.
 
-    sync_in_progress: the version being synced, if a sync has not completed yet (policy `ess` waits).
-    Raises PolicyInputError when policy `ess` gets no finite `ess_lag` in [0, 1].
+    max_lag_steps: the staleness cap of policies `ess` and `every_k` (None = no cap; module docstring).
+    sync_in_progress: the version being synced, if a sync has not completed yet (`ess` and the cap wait).
+    Raises PolicyInputError when policy `ess` gets no finite `ess_lag` in [0, 1], or the cap no finite
+    `staleness_steps_max` >= 0.
     """
     if manual_reasons:
         return SyncDecision(True, "manual: " + "; ".join(manual_reasons))
-    if policy == "ess":
-        ess_lag = check_ess_lag(stats)
-        if ess_lag < ess_threshold and sync_in_progress is not None:
-            return SyncDecision(
-                False,
-                f"ess: ess_lag {ess_lag:.4g} < {ess_threshold:g}, but the sync of version "
-                f"{sync_in_progress} is still in progress",
-            )
-        if ess_lag < ess_threshold:
-            return SyncDecision(True, f"ess: ess_lag {ess_lag:.4g} < {ess_threshold:g}")
-        return SyncDecision(False, f"ess: ess_lag {ess_lag:.4g} >= {ess_threshold:g}")
-    if policy == "every_k":
-        assert every_k >= 1, every_k
-        if step > 0 and step % every_k == 0:
-            return SyncDecision(True, f"every_k: step {step} is a multiple of {every_k}")
-        next_step = (step // every_k + 1) * every_k
-        return SyncDecision(False, f"every_k: next sync at step {next_step}")
     if policy == "always":
         return SyncDecision(True, "always: on-policy, publish every step")
     if policy == "never":
         return SyncDecision(False, "never: the policy never publishes")
-    raise PolicyInputError("sync_policy", f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    if policy not in ("ess", "every_k"):
+        raise PolicyInputError(
+            "sync_policy", f"unknown policy {policy!r}; expected one of {', '.join(SYNC_POLICIES)}"
+        )
+    if policy == "ess":
+        ess_lag = check_ess_lag(stats)
+        fires = ess_lag < ess_threshold
+        reason = f"ess: ess_lag {ess_lag:.4g} {'<' if fires else '>='} {ess_threshold:g}"
+        waits = True
+    else:
+        assert every_k >= 1, every_k
+        trained = step + 1
+        fires = trained % every_k == 0
+        reason = (
+            f"every_k: {trained} steps trained, a multiple of {every_k}"
+            if fires
+            else f"every_k: next sync after step {(trained // every_k + 1) * every_k - 1}"
+        )
+        waits = False  # the schedule does not wait for a sync in progress
+    if max_lag_steps is not None:
+        lag_steps = check_lag_steps(stats)
+        if not fires:
+            fires, waits = lag_steps >= max_lag_steps, True
+            relation = ">=" if fires else "<"
+            cap = f"max_lag_steps: oldest rollout {lag_steps:g} steps old {relation} {max_lag_steps}"
+            reason = cap if fires else f"{reason}; {cap}"
+    if fires and waits and sync_in_progress is not None:
+        return SyncDecision(
+            False, f"{reason}, but the sync of version {sync_in_progress} is still in progress"
+        )
+    return SyncDecision(fires, reason)
 
 
-def describe(policy: SyncPolicy, *, ess_threshold: float = 0.5, every_k: int = 1) -> str:
+def describe(
+    policy: SyncPolicy, *, ess_threshold: float = 0.5, every_k: int = 1, max_lag_steps: int | None = None
+) -> str:
     """One line saying when `policy` publishes, for status displays."""
+    cap = "" if max_lag_steps is None else f", or when the oldest rollout is >= {max_lag_steps} steps old"
     return {
-        "ess": f"publish when ess_lag < {ess_threshold:g}",
-        "every_k": f"publish every {every_k} steps",
+        "ess": f"publish when ess_lag < {ess_threshold:g}{cap}",
+        "every_k": f"publish every {every_k} steps{cap}",
         "always": "publish after every step (on-policy)",
         "never": "never publish (manual syncs only)",
     }.get(policy, f"unknown policy {policy!r}")
@@ -112,6 +138,18 @@ def check_ess_lag(stats: Mapping[str, float]) -> float:
     if not math.isfinite(ess_lag) or ess_lag < 0.0 or ess_lag > 1.0 + 1e-6:
         raise PolicyInputError(f"stats.{ESS_KEY}", f"must be a finite number in [0, 1], got {ess_lag!r}")
     return min(ess_lag, 1.0)
+
+
+def check_lag_steps(stats: Mapping[str, float]) -> float:
+    """The report's `staleness_steps_max` (trainer steps since the oldest rollout's weights), checked >= 0."""
+    if LAG_KEY not in stats:
+        raise PolicyInputError(
+            f"stats.{LAG_KEY}", "missing; coordinator.max_lag_steps needs it in every step report"
+        )
+    lag_steps = float(stats[LAG_KEY])
+    if not math.isfinite(lag_steps) or lag_steps < 0.0:
+        raise PolicyInputError(f"stats.{LAG_KEY}", f"must be a finite number >= 0, got {lag_steps!r}")
+    return lag_steps
 
 
 class ManualTriggers:

@@ -3,12 +3,18 @@
     python -m experiments.dlc_repro --preset tiny                 # or: make experiment ARGS="--preset tiny"
     python -m experiments.dlc_repro --preset tiny trainer.lr=5e-4 steps=8 --out runs/dlc_repro/lr5e-4
     python -m experiments.dlc_repro --preset qwen3-0.6b --validate  # print the plan, run nothing
+    python -m experiments.dlc_repro --preset tiny 'settings=["every_k"]' --merge-into docs/results/tiny
 
 Runs the on-policy references, then every method in every setting of the preset (experiments/settings.py),
 each with the service's TrainStep and the service's vLLM engine (experiments/runner.py), and writes into
 `--out` (default docs/results/<preset>/): steps.csv (one row per run and step), summary.csv (one row per
 run), summary.md (mean ± std over seeds), the PNG plots, run_info.json and README.md with the command.
 Scratch files (published weight versions) go to `--work-dir` and are deleted as runs finish.
+
+`--merge-into DIR` re-runs part of a finished experiment: the on-policy references and the settings given by
+the `settings=` override, then replaces those settings' rows in DIR (made by the same preset with more
+settings) and rewrites what shows them (summary.md, README.md, their plots); every other row stays as it was,
+the stored reference rows included. Its own complete results go to `--out` (default `<work-dir>/results`).
 """
 
 from __future__ import annotations
@@ -114,9 +120,16 @@ async def _run_with_retry(ctx: Any, spec: RunSpec) -> Any:
 
 
 async def run_experiment(
-    preset: ExperimentPreset, *, out_dir: Path, work_dir: Path, command: str, resume: bool = False
+    preset: ExperimentPreset,
+    *,
+    out_dir: Path,
+    work_dir: Path,
+    command: str,
+    resume: bool = False,
+    merge_into: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the whole plan (skipping the runs of a checkpoint when `resume`) and write the results."""
+    """Run the whole plan (skipping the runs of a checkpoint when `resume`) and write the results; with
+    `merge_into`, also merge the rows of the preset's settings into the results there (`merge_results`)."""
     import copy
 
     import torch
@@ -221,6 +234,8 @@ async def run_experiment(
     }
     write_results(preset, records=records, references=ctx.references, out_dir=out_dir, run_info=run_info)
     logger.info("done in %.0f s: %s", wall_s, out_dir)
+    if merge_into is not None:
+        merge_results(preset, records=records, references=ctx.references, into=merge_into, run_info=run_info)
     return run_info
 
 
@@ -252,6 +267,122 @@ def write_results(
     claims = claims_markdown(summary, rows, dual_tolerance=tolerance)
     (out_dir / "run_info.json").write_text(json.dumps(run_info, indent=2) + "\n")
     (out_dir / "README.md").write_text(_readme(preset, run_info, table, claims, plots, out_dir))
+
+
+def check_mergeable(preset: ExperimentPreset, into: Path) -> ExperimentPreset:
+    """The preset of the results in `into`; raises ConfigError unless `preset` is it with fewer settings."""
+    info_path = into / "run_info.json"
+    if not info_path.is_file():
+        raise ConfigError(f"--merge-into {into}: no run_info.json there (not the results of an experiment)")
+    base = ExperimentPreset.model_validate(json.loads(info_path.read_text())["preset"])
+    ours, theirs = preset.model_dump(mode="json"), base.model_dump(mode="json")
+    differing = sorted(key for key in ours if key != "settings" and ours[key] != theirs[key])
+    if differing:
+        raise ConfigError(
+            f"--merge-into {into}: those results were made with other values of {', '.join(differing)}; "
+            "only `settings` may differ"
+        )
+    extra = [s for s in preset.settings if s not in base.settings]
+    if extra:
+        raise ConfigError(f"--merge-into {into}: settings {extra} are not in those results ({base.settings})")
+    return base
+
+
+def merge_results(
+    preset: ExperimentPreset,
+    *,
+    records: list[Any],
+    references: Any,
+    into: Path,
+    run_info: dict[str, Any],
+) -> None:
+    """Replace the rows of `preset.settings` in the results in `into` by those of `records`, and rewrite
+    summary.md, README.md and the plots that show them; every other row of steps.csv and summary.csv is
+    written back byte for byte, the reference rows included. The new rows' KL ratios are against the
+    re-run references (`records` holds them); how far their noise threshold is from the stored one is logged
+    and kept in run_info.json."""
+    import tempfile
+
+    from experiments.report import (
+        SUMMARY_COLUMNS,
+        aggregate,
+        claims_markdown,
+        finalize_rows,
+        markdown_table,
+        read_csv,
+        summary_row,
+        write_csv,
+        write_plots,
+    )
+
+    base = check_mergeable(preset, into)
+    settings = set(preset.settings)
+    finalize_rows([row for r in records for row in r.rows], references)
+    rerun = [r for r in records if r.spec.setting in settings]
+    new_rows = [row for r in rerun for row in r.rows]
+    new_summary = [summary_row(r.rows, final_reward=r.final_reward, wall_s=r.wall_s) for r in rerun]
+    stored_rows = read_csv(into / "steps.csv")
+    stored_threshold = {
+        (r["seed"], r["step"]): r["noise_threshold"] for r in stored_rows if r["method"] == ONPOLICY
+    }
+    threshold_diffs = [
+        abs(row["noise_threshold"] / stored_threshold[(row["seed"], row["step"])] - 1)
+        for r in records
+        if r.spec.method == ONPOLICY
+        for row in r.rows
+        if row["noise_threshold"] is not None and stored_threshold.get((row["seed"], row["step"]))
+    ]
+    max_diff = max(threshold_diffs) if threshold_diffs else None
+    rows = _replace_rows(stored_rows, new_rows, settings)
+    summary = _replace_rows(read_csv(into / "summary.csv"), new_summary, settings)
+    write_csv(into / "steps.csv", rows, STEP_COLUMNS)
+    write_csv(into / "summary.csv", summary, SUMMARY_COLUMNS)
+    table = markdown_table(aggregate(summary, method_order=base.methods))
+    (into / "summary.md").write_text(table)
+
+    shown = {f"kl_ratio_{s}.png" for s in settings} | {f"ess_lag_{s}.png" for s in settings}
+    if any(row["method"] in ("dual", "ppo") for row in new_rows):
+        shown.add("dual.png")  # dual's and ppo's curves of every setting
+    if "stale" in settings:
+        shown.add("dlc_sweep.png")
+    tolerance = base.trainer.correction.dual_tolerance
+    with tempfile.TemporaryDirectory() as tmp:
+        plots = write_plots(rows, out_dir=Path(tmp), dual_tolerance=tolerance)
+        for plot in plots:
+            if plot.name in shown:
+                shutil.copyfile(plot, into / plot.name)
+    claims = claims_markdown(summary, rows, dual_tolerance=tolerance)
+
+    info = json.loads((into / "run_info.json").read_text())
+    info.setdefault("reruns", []).append(
+        {
+            "settings": list(preset.settings),
+            "command": run_info["command"],
+            "runs": len(rerun),
+            "wall_s": run_info["wall_s"],
+            "finished": run_info["finished"],
+            "reference_noise_threshold_max_rel_diff": None if max_diff is None else round(max_diff, 6),
+        }
+    )
+    (into / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    (into / "README.md").write_text(_readme(base, info, table, claims, plots, into))
+    logger.info(
+        "merged %d runs of %s into %s; the re-run references' noise threshold is within %s of the stored one",
+        len(rerun),
+        ", ".join(preset.settings),
+        into,
+        "-" if max_diff is None else f"{max_diff:.2%}",
+    )
+
+
+def _replace_rows(
+    stored: list[dict[str, Any]], new: list[dict[str, Any]], settings: set[str]
+) -> list[dict[str, Any]]:
+    """`stored` with its rows of `settings` replaced by `new`, put where the first of them was."""
+    at = next((i for i, row in enumerate(stored) if row["setting"] in settings), len(stored))
+    before = [row for row in stored[:at] if row["setting"] not in settings]
+    after = [row for row in stored[at:] if row["setting"] not in settings]
+    return before + new + after
 
 
 def report_only(preset: ExperimentPreset, *, out_dir: Path, work_dir: Path) -> None:
@@ -290,6 +421,12 @@ def _readme(
     engines = ", ".join(f"{dtype} {seconds:g} s" for dtype, seconds in info.get("engine_start_s", {}).items())
     versions = ", ".join(f"{name} {version}" for name, version in info.get("versions", {}).items())
     figures = "\n".join(f"- `{p.name}`\n\n  ![{p.stem}]({p.name})" for p in plots)
+    reruns = "".join(
+        f"\n\nRe-run later (`--merge-into`): the rows of {', '.join(f'`{s}`' for s in rerun['settings'])} "
+        f"({rerun['runs']} runs; {rerun['wall_s']:.0f} s with the on-policy references they are measured "
+        f"against; finished {rerun['finished']}), by\n`{rerun['command']}`. The other rows are the run above."
+        for rerun in info.get("reruns", [])
+    )
     findings = (
         "\n\nFindings, with the figures: [FINDINGS.md](FINDINGS.md).\n"
         if (out_dir / "FINDINGS.md").is_file()
@@ -308,7 +445,7 @@ Made by (from the repository root; `make experiment ARGS="..."` runs the same mo
 {info["runs"]} runs of {preset.steps} steps (B = {preset.batch_size} prompt groups x G = {preset.group_size}
 samples, lr {preset.trainer.lr:g}, at most {preset.sampling.max_tokens} response tokens). Wall time
 {info.get("wall_s", 0):.0f} s ({info.get("machine", "machine unknown")}); vLLM engine starts: {engines}.
-Versions: {versions}.{findings}
+Versions: {versions}.{reruns}{findings}
 
 ## Summary (mean ± std over seeds; step columns list each seed, – = never)
 
@@ -327,8 +464,9 @@ Versions: {versions}.{findings}
 - Settings: `stale` = sampler synced only when the method asks (dlc: ess_lag < threshold; others never);
   `lowprec` = {preset.lowprec_dtype} sampler, synced every step; `noisy` = Gaussian weight noise
   (sigma = {preset.noise_sigma:g} x RMS per tensor) on every published sampler version, synced every step;
-  `every_k` = synced every {preset.every_k} steps; `reference` = the on-policy runs (fp32 sampler synced every
-  step, `naive` loss).
+  `every_k` = synced every {preset.every_k} steps by the coordinator's `every_k` policy (after batches
+  {preset.every_k}, {2 * preset.every_k}, ...); `reference` = the on-policy
+  runs (fp32 sampler synced every step, `naive` loss). Every sync is decided by `coordinator/sync_policy.py`.
 
 Per-run rows: `summary.csv`; per-step rows: `steps.csv`; settings and timings: `run_info.json`.
 
@@ -363,6 +501,13 @@ def main(argv: list[str] | None = None) -> int:
         help="rewrite the results from the work dir's checkpoint (a finished experiment), run nothing",
     )
     parser.add_argument(
+        "--merge-into",
+        type=Path,
+        default=None,
+        help="results folder of a finished experiment: replace the rows of the settings run now (settings=[...]) "
+        "there, keep the others",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="dotted preset overrides: trainer.lr=5e-4 steps=8 seeds=[0,1]"
     )
     args = parser.parse_args(argv)
@@ -372,13 +517,24 @@ def main(argv: list[str] | None = None) -> int:
         preset = load_preset(args.preset, args.overrides)
     except ConfigError as err:
         parser.error(str(err))
+    if args.merge_into is not None:
+        if args.report_only:
+            parser.error("--merge-into runs the settings it merges; it does not combine with --report-only")
+        try:
+            check_mergeable(preset, args.merge_into)
+        except ConfigError as err:
+            parser.error(str(err))
     plan = plan_runs(preset)
     if args.validate:
         print(describe_plan(preset, plan))
         return 0
     _configure_environment(preset)
-    out_dir = args.out or REPO / "docs" / "results" / preset.name
-    work_dir = args.work_dir or REPO / "runs" / "dlc_repro" / preset.name
+    # A merge keeps its own results and checkpoint apart from those of the experiment it merges into.
+    name = preset.name if args.merge_into is None else f"{preset.name}-{'-'.join(preset.settings)}"
+    work_dir = args.work_dir or REPO / "runs" / "dlc_repro" / name
+    out_dir = args.out or (
+        REPO / "docs" / "results" / preset.name if args.merge_into is None else work_dir / "results"
+    )
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--resume"]
     command = shlex.join(["python", "-m", "experiments.dlc_repro", *given])
     if args.report_only:
@@ -386,7 +542,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with _exclusive(work_dir):
         asyncio.run(
-            run_experiment(preset, out_dir=out_dir, work_dir=work_dir, command=command, resume=args.resume)
+            run_experiment(
+                preset,
+                out_dir=out_dir,
+                work_dir=work_dir,
+                command=command,
+                resume=args.resume,
+                merge_into=args.merge_into,
+            )
         )
     return 0
 

@@ -27,6 +27,7 @@ __all__ = [
     "kl_ratios",
     "markdown_table",
     "ratio_summary",
+    "read_csv",
     "summary_row",
     "write_csv",
     "write_plots",
@@ -149,6 +150,32 @@ def write_csv(path: Path, rows: Iterable[dict[str, Any]], columns: Sequence[str]
         writer.writerow(columns)
         for row in rows:
             writer.writerow([_fmt(row.get(column)) for column in columns])
+
+
+TEXT_COLUMNS = frozenset({"run", "method", "setting", "sync_rule"})
+INT_COLUMNS = frozenset(
+    {
+        "seed", "step", "sampler_version", "lag_steps", "synced", "num_references", "steps_over_2x",
+        "first_over_2x_step", "ess_cross_step", "gaussian_cross_step", "gaussian_direct_cross_step", "syncs",
+    }
+)  # fmt: skip
+"""Columns of steps.csv and summary.csv that hold text or integers; every other column holds floats."""
+
+
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    """The rows `write_csv` wrote, typed back ("" -> None): writing them again gives the same bytes."""
+
+    def value(column: str, text: str) -> Any:
+        if column in TEXT_COLUMNS:
+            return text
+        if text == "":
+            return None
+        return int(text) if column in INT_COLUMNS else float(text)
+
+    with path.open(newline="") as handle:
+        return [
+            {column: value(column, text) for column, text in row.items()} for row in csv.DictReader(handle)
+        ]
 
 
 # -------------------------------------------------------------------------------------------- aggregation

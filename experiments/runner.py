@@ -4,8 +4,10 @@ Per step t = 1..steps:
 1. batch t (B prompt groups of the fixed task stream, the same in every run) is sampled by the engine from
    the version it serves now, with request seeds derived from the run's seed (`generate_rollouts`);
 2. `TrainStep.train_on` trains on it with the run's correction (ell^v from the kept snapshot of that version);
-3. the sync rule decides whether the sampler gets the new weights: `WeightPublisher.sync` publishes
-   version v+1 (clean, or noisy in the `noisy` setting) and the engine reloads it;
+3. the coordinator's sync policy (`coordinator.sync_policy.decide`, the rule the service runs, given the
+   step number and metrics the trainer service reports for this batch) decides whether the sampler gets
+   the new weights: `WeightPublisher.sync` publishes version v+1 (clean, or noisy in the `noisy` setting)
+   and the engine reloads it;
 4. the distance to on-policy training is measured after the update: KL(pi_ref,t || pi_run,t) for every
    on-policy reference run. An on-policy run instead samples its evaluation prefixes from the engine (which
    serves its exact current weights) and becomes a reference for the runs after it.
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from coordinator.sync_policy import decide
 from experiments.engines import EnginePool, WeightPublisher
 from experiments.kl import PrefixBatch, ReferenceStore, build_prefix_batch
 from experiments.settings import ONPOLICY, ExperimentPreset, RunSpec
@@ -37,7 +40,7 @@ from sampler_svc.engine import SamplerEngine
 from sampler_svc.rollouts import generate_rollouts, task_seed
 from trainer_svc.step import TrainStep
 
-__all__ = ["ExperimentContext", "RunRecord", "run_one", "should_sync", "STEP_METRICS"]
+__all__ = ["ExperimentContext", "RunRecord", "run_one", "STEP_METRICS"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,25 +60,6 @@ STEP_METRICS = (
     "skipped",
 )
 """TrainStep metrics copied into every per-step row."""
-
-
-def should_sync(
-    *, rule: str, step: int, ess_lag: float, ess_threshold: float | None, every: int | None
-) -> bool:
-    """Whether the sampler receives the trainer's weights after `step` (1-based) under `rule`."""
-    if rule == "always":
-        return True
-    if rule == "never":
-        return False
-    if rule == "ess":
-        if ess_threshold is None:
-            raise ValueError("sync rule 'ess' needs an ess_threshold")
-        return ess_lag < ess_threshold
-    if rule == "every_k":
-        if every is None or every < 1:
-            raise ValueError("sync rule 'every_k' needs every >= 1")
-        return step % every == 0
-    raise ValueError(f"unknown sync rule {rule!r}; expected always, never, ess or every_k")
 
 
 @dataclass
@@ -250,13 +234,18 @@ async def run_one(ctx: ExperimentContext, spec: RunSpec) -> RunRecord:
             result = train_step.train_on(rollouts)
             metrics = result.metrics
             t2 = time.perf_counter()
-            synced = should_sync(
-                rule=spec.sync_rule,
-                step=step,
-                ess_lag=metrics["ess_lag"],
-                ess_threshold=spec.ess_threshold,
-                every=spec.sync_every,
-            )
+            # The service's rule with what the trainer service reports for this batch: its step number
+            # (TrainStep.step - 1 after the update, counted from 0) and the step's metrics. The sync below
+            # completes before the next batch is sampled, so no sync is ever in progress here. A threshold
+            # or interval the rule does not read may be unset (RunSpec requires the one it reads).
+            synced = decide(
+                spec.sync_rule,
+                step=train_step.step - 1,
+                stats=metrics,
+                ess_threshold=spec.ess_threshold or 0.0,
+                every_k=spec.sync_every or 1,
+                sync_in_progress=None,
+            ).publish
             if synced:
                 version = train_step.weight_version + 1
                 train_step.mark_published(version)

@@ -13,7 +13,10 @@ Settings (DESIGN section 6, issue 7):
 - `noisy`: Gaussian noise of relative size `noise_sigma` is added to the published sampler weights at every
   sync (a controlled numerical discrepancy; the same draw per run, so it is systematic like a quantization
   error); fp32 sampler, synced every step.
-- `every_k`: fp32 sampler synced every `every_k` steps, for every method.
+- `every_k`: fp32 sampler synced every `every_k` steps, for every method, by the coordinator's `every_k` policy
+  (after every k trained batches: with k = 4 the syncs follow batches 4, 8, 12, ...).
+
+Every sync rule is the coordinator's sync policy of that name: runner.py calls `coordinator.sync_policy.decide`.
 
 On-policy reference runs (`method = "onpolicy"`): the `naive` loss with an fp32 sampler synced every step;
 they differ only in their sampling seed (`onpolicy_seeds`, disjoint from the method runs' `seeds`, so a
@@ -34,6 +37,7 @@ from rlcommon.config import (
     SamplerConfig,
     SamplingConfig,
     StrictModel,
+    SyncPolicy,
     TaskConfig,
     TrainerConfig,
     build_config,
@@ -56,7 +60,6 @@ ONPOLICY_LOSS: Method = "naive"
 """The loss the on-policy runs train with (every correction reduces to it on exactly on-policy data)."""
 SETTINGS = ("stale", "lowprec", "noisy", "every_k")
 Setting = Literal["stale", "lowprec", "noisy", "every_k"]
-SyncRule = Literal["always", "never", "ess", "every_k"]
 
 
 class ExperimentPreset(StrictModel):
@@ -145,8 +148,9 @@ class RunSpec:
     """One of SETTINGS, or "reference" for the on-policy runs."""
     seed: int
     """Sampling seed (request seeds derive from it and the batch/group ids)."""
-    sync_rule: SyncRule
-    """When the sampler receives the trainer's weights: every step, never, ess_lag < threshold, every k."""
+    sync_rule: SyncPolicy
+    """When the sampler receives the trainer's weights: the coordinator's sync policy of that name (run by
+    `coordinator.sync_policy.decide`, as the service does): ess_lag < threshold, every k steps, always, never."""
     sampler_dtype: str
     """Engine precision of this run."""
     ess_threshold: float | None = None
@@ -155,6 +159,12 @@ class RunSpec:
     """Interval of sync_rule "every_k"."""
     noise_sigma: float = 0.0
     """Relative weight noise added to every published sampler version (0 = clean)."""
+
+    def __post_init__(self) -> None:
+        if self.sync_rule == "ess" and self.ess_threshold is None:
+            raise ValueError(f"run {self.method}/{self.setting}: sync_rule 'ess' needs an ess_threshold")
+        if self.sync_rule == "every_k" and (self.sync_every is None or self.sync_every < 1):
+            raise ValueError(f"run {self.method}/{self.setting}: sync_rule 'every_k' needs sync_every >= 1")
 
     @property
     def loss(self) -> str:

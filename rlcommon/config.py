@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -30,12 +30,17 @@ __all__ = [
     "CoordinatorConfig",
     "PlacementConfig",
     "RunConfig",
+    "SYNC_POLICIES",
+    "SyncPolicy",
     "load_config",
     "parse_overrides",
 ]
 
-METHODS = ("naive", "tis", "mis", "center", "ppo", "decoupled_ppo", "m2po", "vcpo", "dlc", "dual")
 Method = Literal["naive", "tis", "mis", "center", "ppo", "decoupled_ppo", "m2po", "vcpo", "dlc", "dual"]
+METHODS: tuple[str, ...] = get_args(Method)
+SyncPolicy = Literal["ess", "every_k", "always", "never"]
+"""When the trainer publishes (coordinator/sync_policy.py decides; experiments/ measure the same rule)."""
+SYNC_POLICIES: tuple[str, ...] = get_args(SyncPolicy)
 
 
 class ConfigError(ValueError):
@@ -260,12 +265,14 @@ class CoordinatorConfig(StrictModel):
     """Batches planned ahead of the trainer (bounds staleness in steps)."""
     total_batches: int | None = Field(None, ge=1)
     """Stop planning after this many batches (None = unbounded)."""
-    sync_policy: Literal["ess", "every_k", "always", "never"] = "ess"
+    sync_policy: SyncPolicy = "ess"
     """When the trainer publishes: ess_lag < ess_threshold, every k steps, every step, or never."""
     ess_threshold: float = Field(0.5, gt=0, le=1)
     """ESS of the lag ratio below which a sync is requested (policy `ess`)."""
     sync_every_k: int = Field(4, ge=1)
     """Interval of policy `every_k`."""
+    max_lag_steps: int | None = Field(None, ge=1)
+    """Policies ess, every_k: also publish once the oldest rollout is this many trainer steps old (None = no cap)."""
     sync_ack_timeout_s: float = Field(60.0, gt=0)
     """A sampler that does not ack a weight update within this is marked unhealthy."""
     sampler_heartbeat_timeout_s: float = Field(30.0, gt=0)
@@ -297,6 +304,15 @@ class CoordinatorConfig(StrictModel):
     def _tls_pair(self) -> CoordinatorConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("coordinator.tls_cert and coordinator.tls_key must be set together")
+        return self
+
+    @model_validator(mode="after")
+    def _lag_cap_policy(self) -> CoordinatorConfig:
+        if self.max_lag_steps is not None and self.sync_policy not in ("ess", "every_k"):
+            raise ValueError(
+                f"coordinator.max_lag_steps applies to sync_policy 'ess' or 'every_k', not {self.sync_policy!r}; "
+                "unset max_lag_steps or change sync_policy"
+            )
         return self
 
 

@@ -373,13 +373,37 @@ def test_ess_policy_does_not_publish_over_a_sync_in_progress(start_server):
     assert report(stub, step=3, batch_id=2, ess_lag=0.2).publish
 
 
+def test_lag_cap_publishes_a_stale_batch(start_server):
+    harness = start_server(sync_policy="ess", max_lag_steps=3, max_inflight_batches=4)
+    stub = harness.stub
+    register(stub, "s0")
+
+    def report_lag(step: int, lag_steps: float | None) -> pb.ReportStepResponse:
+        stats = {"ess_lag": 0.9} if lag_steps is None else {"ess_lag": 0.9, "staleness_steps_max": lag_steps}
+        return stub.ReportStep(pb.ReportStepRequest(step=step, batch_id=step, weight_version=0, stats=stats))
+
+    below = report_lag(0, 2)
+    assert not below.publish
+    assert below.reason == "ess: ess_lag 0.9 >= 0.5; max_lag_steps: oldest rollout 2 steps old < 3"
+    capped = report_lag(1, 3)
+    assert capped.publish and capped.reason == "max_lag_steps: oldest rollout 3 steps old >= 3"
+    announce(stub, 1, step=1)
+    waiting = report_lag(2, 4)
+    assert not waiting.publish and waiting.reason.endswith("the sync of version 1 is still in progress")
+    status = stub.GetStatus(pb.GetStatusRequest())
+    assert status.sync_policy_detail.endswith("ess_lag < 0.5, or when the oldest rollout is >= 3 steps old")
+    err = rpc_error(report_lag, 3, None)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("stats.staleness_steps_max: missing")
+
+
 @pytest.mark.parametrize(
     ("policy", "expected"),
     [("every_k", [False, True, False, True]), ("always", [True] * 4), ("never", [False] * 4)],
 )
 def test_policy_decisions(start_server, policy, expected):
     harness = start_server(sync_policy=policy, sync_every_k=2, max_inflight_batches=4)
-    answers = [report(harness.stub, step=k + 1, batch_id=k).publish for k in range(4)]
+    answers = [report(harness.stub, step=k, batch_id=k).publish for k in range(4)]  # step k trains batch k
     assert answers == expected
 
 
@@ -517,10 +541,10 @@ def test_a_restarted_coordinator_resumes_without_replanning(start_server):
     first = start_server(sync_policy="every_k", sync_every_k=2)
     stub = first.stub
     register(stub, "s0")
-    report(stub, step=1, batch_id=0)
-    answer = report(stub, step=2, batch_id=1)
+    report(stub, step=0, batch_id=0)
+    answer = report(stub, step=1, batch_id=1)  # 2 steps trained: every_k = 2 publishes
     assert answer.publish
-    announce(stub, 1, step=2)
+    announce(stub, 1, step=1)
     stub.AckWeightVersion(pb.AckWeightVersionRequest(sampler_id="s0", weight_version=1))
     stub.MarkBatchComplete(pb.MarkBatchCompleteRequest(batch_id=2))
     stub.TriggerSync(pb.TriggerSyncRequest(reason="after restart"))
@@ -544,7 +568,7 @@ def test_a_restarted_coordinator_resumes_without_replanning(start_server):
     syncs = stub.ListSyncs(pb.ListSyncsRequest()).syncs
     assert len(syncs) == 1 and syncs[0].state == pb.SYNC_COMPLETE
     # The run continues where it left off; a sampler subscribing behind gets version 1.
-    assert report(stub, step=3, batch_id=2).reason == "manual: after restart"
+    assert report(stub, step=2, batch_id=2).reason == "manual: after restart"
     assert [t.task_id for t in tasks_in_stream(second)][-B:] == ["b4-g0", "b4-g1"]
     late = Subscription(stub, "s0", 0)
     assert late.next().weight_version == 1

@@ -660,19 +660,20 @@ def _announce(stub, version: int, step: int) -> pb.AnnouncePublishedResponse:
 
 def test_reports_replayed_after_a_trainer_restart_get_their_first_answers(coordinator):
     stub = coordinator(sync_policy="every_k", sync_every_k=2)
-    answers = {step: _report(stub, step) for step in range(4)}
-    assert [answers[s].publish for s in range(4)] == [False, False, True, False]
-    _announce(stub, 1, step=2)
-    assert _report(stub, 4).publish  # decided, never announced (the trainer died before announcing)
-    # A trainer resumed from the checkpoint of step 1 trains steps 1..4 again:
-    replay = {step: _report(stub, step) for step in range(1, 5)}
-    assert not replay[1].publish and not replay[3].publish
-    assert (replay[2].publish, replay[2].next_weight_version) == (True, 1)  # the version it published then
-    assert (replay[4].publish, replay[4].next_weight_version) == (True, 2)  # the version it still has to
-    assert _announce(stub, 1, step=2).sync.sync_id == 1  # reused files: the recorded sync, no new one
-    assert _announce(stub, 2, step=4).sync.sync_id == 2
+    answers = {step: _report(stub, step) for step in range(2)}
+    assert [answers[s].publish for s in range(2)] == [False, True]  # 2 steps trained
+    _announce(stub, 1, step=1)
+    assert not _report(stub, 2).publish
+    assert _report(stub, 3).publish  # decided, never announced (the trainer died before announcing)
+    # A trainer resumed from the checkpoint of step 0 trains steps 0..3 again:
+    replay = {step: _report(stub, step) for step in range(4)}
+    assert not replay[0].publish and not replay[2].publish
+    assert (replay[1].publish, replay[1].next_weight_version) == (True, 1)  # the version it published then
+    assert (replay[3].publish, replay[3].next_weight_version) == (True, 2)  # the version it still has to
+    assert _announce(stub, 1, step=1).sync.sync_id == 1  # reused files: the recorded sync, no new one
+    assert _announce(stub, 2, step=3).sync.sync_id == 2
     status = stub.GetStatus(pb.GetStatusRequest())
-    assert status.last_step.step == 4 and status.batches.trained_through == 4 and status.num_syncs == 2
+    assert status.last_step.step == 3 and status.batches.trained_through == 3 and status.num_syncs == 2
 
 
 def test_a_never_acking_sampler_is_caught_even_when_every_sync_is_superseded(coordinator):

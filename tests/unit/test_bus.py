@@ -156,7 +156,7 @@ def test_bad_messages_are_dead_lettered_and_acked(conn):
     }
     bad_ids = [entry_id for entry_id, reason in bad.items() if reason]
     wrong_type = StreamProducer(conn, STREAM).send_encoded(
-        [msgpack.packb({"v": 1, "type": "weight_update"})]
+        [msgpack.packb({"v": 1, "type": "rollout"})]
     )[0]
     got = reader.read(10)
     assert task_ids(got) == ["t1", "t3"]

@@ -64,6 +64,21 @@ def test_cross_field_checks():
         load_config(RunConfig, [], ["--task.kind", "jsonl"])
 
 
+def test_max_lag_steps():
+    assert load_config(RunConfig, []).coordinator.max_lag_steps is None  # default: no cap
+    cfg = load_config(RunConfig, [], ["--coordinator.max_lag_steps=8"])
+    assert cfg.coordinator.max_lag_steps == 8 and cfg.coordinator.sync_policy == "ess"
+    every_k = ["--coordinator.sync_policy=every_k", "--coordinator.max_lag_steps=3"]
+    assert load_config(RunConfig, [], every_k).coordinator.max_lag_steps == 3
+    with pytest.raises(ConfigError, match=r"'coordinator.max_lag_steps'.*greater than or equal to 1"):
+        load_config(RunConfig, [], ["--coordinator.max_lag_steps=0"])
+    for policy in ("never", "always"):
+        flags = [f"--coordinator.sync_policy={policy}", "--coordinator.max_lag_steps=4"]
+        expected = rf"max_lag_steps applies to sync_policy 'ess' or 'every_k', not '{policy}'"
+        with pytest.raises(ConfigError, match=expected):
+            load_config(RunConfig, [], flags)
+
+
 def test_queue_limit_below_what_the_trainer_holds_is_refused_at_start_up():
     sizes = ["--coordinator.batch_size=8", "--coordinator.group_size=4", "--coordinator.max_inflight_batches=2"]
     # (checkpoint_every - 1 + max_inflight_batches) x B x G = (4 - 1 + 2) x 8 x 4 = 160 rollouts held unacked

@@ -5,6 +5,8 @@ engine with the 2-step `micro` preset (integration)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
+import json
 import math
 import os
 
@@ -39,10 +41,9 @@ from experiments.report import (
     summary_row,
     write_csv,
 )
-from experiments.runner import should_sync
-from experiments.settings import ONPOLICY, PRESETS, load_preset, plan_runs
+from experiments.settings import ONPOLICY, PRESETS, RunSpec, load_preset, plan_runs
 from rlcommon.config import ConfigError
-from tests.unit.trainer_helpers import VOCAB, tiny_model
+from tests.unit.trainer_helpers import VOCAB, make_rollouts, tiny_model
 
 # ------------------------------------------------------------------------------------------------- KL
 
@@ -305,18 +306,96 @@ def test_claims_section_reports_the_figures_per_seed():
 # ------------------------------------------------------------------------------------ sync rules, plan
 
 
-def test_should_sync_rules():
-    assert should_sync(rule="always", step=3, ess_lag=1.0, ess_threshold=None, every=None)
-    assert not should_sync(rule="never", step=3, ess_lag=0.0, ess_threshold=None, every=None)
-    assert should_sync(rule="ess", step=3, ess_lag=0.49, ess_threshold=0.5, every=None)
-    assert not should_sync(rule="ess", step=3, ess_lag=0.5, ess_threshold=0.5, every=None)
-    assert [should_sync(rule="every_k", step=s, ess_lag=1.0, ess_threshold=None, every=4) for s in range(1, 9)] == [
-        False, False, False, True, False, False, False, True,
-    ]  # fmt: skip
+class _FakeEngine:
+    weight_version = 0
+
+
+class _FakeEngines:
+    def __init__(self) -> None:
+        self.engine = _FakeEngine()
+
+    async def get(self, dtype: str) -> _FakeEngine:
+        return self.engine
+
+
+class _FakePublisher:
+    """WeightPublisher without files: the engine serves the published version at once."""
+
+    publish_seconds = reload_seconds = 0.0
+
+    def __init__(self, **kwargs) -> None:
+        pass
+
+    async def sync(self, engine, model, *, weight_version: int, step: int) -> None:
+        engine.weight_version = weight_version
+
+    def cleanup(self) -> None:
+        pass
+
+
+class _NoReferences:
+    def distances(self, model, step):
+        return {}
+
+
+def _run_with_fakes(monkeypatch, tmp_path, spec: RunSpec, *, steps: int):
+    """`run_one` with the service's TrainStep on the test model, fake sampling (random rollouts of the
+    version the engine serves) and no KL measurement: what the sync rule does to the run."""
+    import asyncio
+    import types
+
+    from experiments import runner
+
+    async def sample_batch(ctx, engine, *, step, seed):
+        rollouts = make_rollouts(num_groups=2, group_size=2, weight_version=engine.weight_version, seed=step)
+        return [dataclasses.replace(r, batch_id=step) for r in rollouts]
+
+    async def engine_reward(ctx, engine):
+        return 0.5
+
+    monkeypatch.setattr(runner, "_sample_batch", sample_batch)
+    monkeypatch.setattr(runner, "WeightPublisher", _FakePublisher)
+    monkeypatch.setattr(runner, "engine_reward", engine_reward)
+    preset = load_preset("tiny", [f"steps={steps}"])
+    ctx = runner.ExperimentContext(
+        preset=preset,
+        model_dir=tmp_path,
+        tokenizer=types.SimpleNamespace(pad_token_id=0),
+        init_model=tiny_model(tied=True),
+        scratch_model=tiny_model(tied=True),
+        engines=_FakeEngines(),
+        references=_NoReferences(),
+        work_dir=tmp_path,
+        clean_initial_dir=tmp_path,
+    )
+    return asyncio.run(runner.run_one(ctx, spec))
+
+
+def test_runs_sync_by_the_coordinators_policy(monkeypatch, tmp_path):
+    """One rule, one place: the runner asks `coordinator.sync_policy.decide`, with the step number the
+    trainer service reports for the same batch (counted from 0): every_k = 4 syncs after batches 4, 8, ..."""
+    import coordinator.sync_policy
+    from experiments import runner
+
+    assert runner.decide is coordinator.sync_policy.decide and not hasattr(runner, "should_sync")
+    every_4 = RunSpec("tis", "every_k", 0, "every_k", "float32", sync_every=4)
+    record = _run_with_fakes(monkeypatch, tmp_path, every_4, steps=10)
+    assert record.sync_steps == [4, 8]
+    assert [row["step"] for row in record.rows] == list(range(1, 11))  # rows keep 1-based steps
+    assert [row["synced"] for row in record.rows] == [0, 0, 0, 1, 0, 0, 0, 1, 0, 0]
+    assert [row["sampler_version"] for row in record.rows] == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+    # The trainer's staleness_steps_max: steps since the sampled version was published.
+    assert [row["lag_steps"] for row in record.rows] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    always = RunSpec("naive", "noisy", 0, "always", "float32")
+    assert _run_with_fakes(monkeypatch, tmp_path, always, steps=3).sync_steps == [1, 2, 3]
+
+
+def test_run_spec_needs_the_parameter_of_its_rule():
     with pytest.raises(ValueError, match="ess_threshold"):
-        should_sync(rule="ess", step=1, ess_lag=0.1, ess_threshold=None, every=None)
-    with pytest.raises(ValueError, match="unknown sync rule"):
-        should_sync(rule="sometimes", step=1, ess_lag=0.1, ess_threshold=None, every=None)
+        RunSpec("dlc", "stale", 0, "ess", "float32")
+    with pytest.raises(ValueError, match="sync_every"):
+        RunSpec("tis", "every_k", 0, "every_k", "float32")
+    assert RunSpec("dlc", "stale", 0, "ess", "float32", ess_threshold=0.7).sync_label == "ess_lag<0.7"
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -356,6 +435,84 @@ def test_preset_overrides_and_errors():
         load_preset("tiny", ["seeds=[100]"])
     with pytest.raises(ConfigError, match="unknown key"):
         load_preset("tiny", ["trainer.learning_rate=1"])
+
+
+def _records(preset, settings, *, kl_scale: float, synced: tuple[int, ...]):
+    from experiments.runner import RunRecord
+
+    records = []
+    for seed in preset.onpolicy_seeds:
+        rows = _fake_rows(ONPOLICY, seed, setting="reference")
+        spec = RunSpec(ONPOLICY, "reference", seed, "always", "float32")
+        records.append(RunRecord(spec, rows, [], final_reward=0.6, wall_s=1.0, timings={}))
+    for setting in settings:
+        for method in preset.methods:
+            for seed in preset.seeds:
+                rows = _fake_rows(method, seed, setting=setting, synced=synced)
+                for row in rows:
+                    row["kl_to_onpolicy"] *= kl_scale
+                    row["sync_rule"] = "every 4" if setting == "every_k" else row["sync_rule"]
+                spec = RunSpec(method, setting, seed, "every_k", "float32", sync_every=preset.every_k)
+                records.append(RunRecord(spec, rows, [], final_reward=0.5, wall_s=1.0, timings={}))
+    return records
+
+
+def test_merge_results_replaces_only_the_rerun_settings(tmp_path):
+    from experiments import dlc_repro
+
+    overrides = [
+        "steps=4", "seeds=[0,1]", "onpolicy_seeds=[100,101]", 'methods=["tis","dual"]',
+        'settings=["stale","every_k"]',
+    ]  # fmt: skip
+    preset = load_preset("tiny", overrides)
+    store = ReferenceStore(temperature=1.0)
+    for step in range(1, 5):
+        store.pair_kl[(100, 101, step)] = 0.1
+    info = {"command": "first run", "runs": 10, "wall_s": 9.0, "preset": preset.model_dump()}
+    out = tmp_path / "results"
+    dlc_repro.write_results(
+        preset,
+        records=_records(preset, preset.settings, kl_scale=1.0, synced=(4,)),
+        references=store,
+        out_dir=out,
+        run_info=info,
+    )
+    before = {name: (out / name).read_bytes() for name in ("steps.csv", "summary.csv", "kl_ratio_stale.png")}
+    every_k_plot = (out / "kl_ratio_every_k.png").read_bytes()
+
+    rerun_preset = load_preset("tiny", [*overrides[:-1], 'settings=["every_k"]'])
+    rerun = _records(rerun_preset, ["every_k"], kl_scale=2.0, synced=(1, 3))
+    rerun_info = {"command": "the rerun", "wall_s": 5.0, "finished": "now"}
+    dlc_repro.merge_results(rerun_preset, records=rerun, references=store, into=out, run_info=rerun_info)
+
+    old_steps = before["steps.csv"].decode().splitlines()
+    new_steps = (out / "steps.csv").read_text().splitlines()
+    assert len(new_steps) == len(old_steps)
+    # Every row outside every_k (header, references, stale) is kept byte for byte, in place.
+    assert [line for line in new_steps if ",every_k," not in line] == [
+        line for line in old_steps if ",every_k," not in line
+    ]
+    assert new_steps.index(next(line for line in new_steps if ",every_k," in line)) == old_steps.index(
+        next(line for line in old_steps if ",every_k," in line)
+    )
+    with (out / "summary.csv").open() as handle:
+        summary = {(r["method"], r["setting"], r["seed"]): r for r in csv.DictReader(handle)}
+    assert summary[("tis", "every_k", "0")]["syncs"] == "2" and summary[("tis", "stale", "0")]["syncs"] == "1"
+    assert float(summary[("tis", "every_k", "0")]["max_kl_ratio"]) == pytest.approx(8.0)  # 2 x 0.4 / 0.1
+    assert float(summary[("tis", "stale", "0")]["max_kl_ratio"]) == pytest.approx(4.0)
+    assert (out / "kl_ratio_stale.png").read_bytes() == before["kl_ratio_stale.png"]
+    assert (out / "kl_ratio_every_k.png").read_bytes() != every_k_plot
+    table = (out / "summary.md").read_text()
+    assert "| every_k | tis | every 4 | 2 | 8.00 ± 0.00 |" in table
+    assert "| stale | tis | never | 2 | 4.00 ± 0.00 |" in table
+    readme = (out / "README.md").read_text()
+    assert table in readme and "Re-run later (`--merge-into`): the rows of `every_k` (4 runs" in readme
+    saved = json.loads((out / "run_info.json").read_text())
+    assert saved["command"] == "first run" and saved["reruns"][0]["command"] == "the rerun"
+    assert saved["reruns"][0]["reference_noise_threshold_max_rel_diff"] == 0.0
+
+    with pytest.raises(ConfigError, match="other values of steps"):
+        dlc_repro.check_mergeable(load_preset("tiny", [*overrides[:-1], "steps=5"]), out)
 
 
 def test_perturb_state_dict_is_relative_and_deterministic():

@@ -1,10 +1,11 @@
-"""Sync policy: a pure decision per step report (ess threshold, every_k, always, never, manual triggers)."""
+"""Sync policy: a pure decision per step report (ess threshold, every_k, always, never, manual triggers,
+the staleness cap max_lag_steps)."""
 
 import math
 
 import pytest
 
-from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide
+from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide, describe
 
 
 def test_ess_publishes_strictly_below_the_threshold():
@@ -54,15 +55,17 @@ def test_ess_needs_a_valid_ess_lag(stats):
     assert str(err.value).startswith("stats.ess_lag: ")
 
 
-def test_every_k_publishes_at_positive_multiples_of_k():
+def test_every_k_publishes_after_every_k_trained_steps():
+    """`step` is the index of the step just trained (from 0): k = 3 publishes after steps 2, 5, 8 (3, 6 and 9
+    steps trained)."""
     answers = {step: decide("every_k", step=step, stats={}, every_k=3).publish for step in range(0, 10)}
-    assert [s for s, publish in answers.items() if publish] == [3, 6, 9]
-    assert decide("every_k", step=4, stats={}, every_k=3).reason == "every_k: next sync at step 6"
-    assert decide("every_k", step=6, stats={}, every_k=3).reason == "every_k: step 6 is a multiple of 3"
+    assert [s for s, publish in answers.items() if publish] == [2, 5, 8]
+    assert decide("every_k", step=3, stats={}, every_k=3).reason == "every_k: next sync after step 5"
+    assert decide("every_k", step=5, stats={}, every_k=3).reason == "every_k: 6 steps trained, a multiple of 3"
 
 
 def test_every_k_of_one_is_every_step():
-    assert all(decide("every_k", step=s, stats={}, every_k=1).publish for s in range(1, 5))
+    assert all(decide("every_k", step=s, stats={}, every_k=1).publish for s in range(0, 5))
 
 
 def test_always_and_never():
@@ -101,3 +104,103 @@ def test_manual_trigger_reason_is_checked(reason):
     with pytest.raises(PolicyInputError) as err:
         ManualTriggers().add(reason)
     assert err.value.field == "reason"
+
+
+# ------------------------------------------------------------------------------- staleness cap (max_lag_steps)
+
+
+def _lagged(ess_lag: float, lag_steps: float) -> dict[str, float]:
+    return {"ess_lag": ess_lag, "staleness_steps_max": lag_steps}
+
+
+def test_lag_cap_fires_at_the_boundary_not_below():
+    below = decide("ess", step=9, stats=_lagged(0.9, 7), ess_threshold=0.5, max_lag_steps=8)
+    assert below == SyncDecision(
+        False, "ess: ess_lag 0.9 >= 0.5; max_lag_steps: oldest rollout 7 steps old < 8"
+    )
+    at = decide("ess", step=9, stats=_lagged(0.9, 8), ess_threshold=0.5, max_lag_steps=8)
+    assert at == SyncDecision(True, "max_lag_steps: oldest rollout 8 steps old >= 8")
+    assert decide("ess", step=9, stats=_lagged(0.9, 11), max_lag_steps=8).publish
+
+
+def test_lag_cap_and_ess_name_the_trigger_that_fired():
+    both = decide("ess", step=9, stats=_lagged(0.41, 8), ess_threshold=0.5, max_lag_steps=8)
+    assert both == SyncDecision(True, "ess: ess_lag 0.41 < 0.5")
+    # Without a cap the ESS policy needs no staleness statistic and its reasons are as before.
+    assert decide("ess", step=9, stats={"ess_lag": 0.9}).reason == "ess: ess_lag 0.9 >= 0.5"
+
+
+def test_lag_cap_under_every_k():
+    """The cap adds syncs between every_k's fixed steps; those steps still publish (and do not wait)."""
+    capped = [
+        decide("every_k", step=s, stats={"staleness_steps_max": lag}, every_k=4, max_lag_steps=3).publish
+        for s, lag in [(0, 1), (1, 2), (2, 3), (3, 0), (4, 1)]  # step 2: the cap; step 3: the schedule
+    ]
+    assert capped == [False, False, True, True, False]
+    assert (
+        decide("every_k", step=2, stats={"staleness_steps_max": 3}, every_k=4, max_lag_steps=3).reason
+        == "max_lag_steps: oldest rollout 3 steps old >= 3"
+    )
+    assert (
+        decide("every_k", step=1, stats={"staleness_steps_max": 2}, every_k=4, max_lag_steps=3).reason
+        == "every_k: next sync after step 3; max_lag_steps: oldest rollout 2 steps old < 3"
+    )
+    on_schedule = decide(
+        "every_k", step=7, stats={"staleness_steps_max": 9}, every_k=4, max_lag_steps=3, sync_in_progress=2
+    )
+    assert on_schedule == SyncDecision(True, "every_k: 8 steps trained, a multiple of 4")
+
+
+@pytest.mark.parametrize("policy", ["ess", "every_k"])
+def test_lag_cap_waits_for_a_sync_in_progress(policy):
+    decision = decide(policy, step=5, stats=_lagged(0.9, 8), every_k=4, max_lag_steps=8, sync_in_progress=3)
+    assert decision == SyncDecision(
+        False,
+        "max_lag_steps: oldest rollout 8 steps old >= 8, but the sync of version 3 is still in progress",
+    )
+    # The next report after the sync completed publishes.
+    assert decide(policy, step=6, stats=_lagged(0.9, 9), every_k=4, max_lag_steps=8).publish
+
+
+def test_lag_cap_leaves_always_never_and_manual_alone():
+    # The config rejects a cap with these policies; the pure function ignores it.
+    assert not decide("never", step=5, stats=_lagged(0.01, 50), max_lag_steps=2).publish
+    assert decide("always", step=5, stats={}, max_lag_steps=2).publish
+    assert decide("ess", step=5, stats={}, max_lag_steps=2, manual_reasons=["eval"]).reason == "manual: eval"
+
+
+@pytest.mark.parametrize(
+    "lag_steps",
+    [None, math.nan, math.inf, -1.0],
+)
+def test_lag_cap_needs_a_valid_staleness_stat(lag_steps):
+    stats = {"ess_lag": 0.1} if lag_steps is None else _lagged(0.1, lag_steps)
+    for policy in ("ess", "every_k"):  # checked whether or not another trigger fires
+        with pytest.raises(PolicyInputError) as err:
+            decide(policy, step=4, stats=stats, every_k=4, max_lag_steps=8)
+        assert err.value.field == "stats.staleness_steps_max"
+        assert str(err.value).startswith("stats.staleness_steps_max: ")
+    assert decide("ess", step=4, stats=stats, max_lag_steps=None).publish  # no cap: not needed
+
+
+def test_policy_list_is_spelled_once():
+    import typing
+
+    from coordinator import sync_policy
+    from experiments.settings import RunSpec
+    from rlcommon.config import SYNC_POLICIES, CoordinatorConfig, SyncPolicy
+
+    assert SYNC_POLICIES == ("ess", "every_k", "always", "never") == typing.get_args(SyncPolicy)
+    assert CoordinatorConfig.model_fields["sync_policy"].annotation is SyncPolicy
+    assert typing.get_type_hints(RunSpec)["sync_rule"] is SyncPolicy
+    assert typing.get_type_hints(sync_policy.decide)["policy"] is SyncPolicy
+
+
+def test_describe_mentions_the_cap():
+    assert describe("ess", ess_threshold=0.4, max_lag_steps=6) == (
+        "publish when ess_lag < 0.4, or when the oldest rollout is >= 6 steps old"
+    )
+    assert describe("every_k", every_k=4) == "publish every 4 steps"
+    assert describe("every_k", every_k=4, max_lag_steps=6).endswith(
+        "or when the oldest rollout is >= 6 steps old"
+    )
