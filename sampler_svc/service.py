@@ -48,6 +48,8 @@ class SamplerService:
         self.started_at = time.monotonic()
         self.stopping = asyncio.Event()
         self.engine: SamplerEngine | None = None
+        self.conn: RedisConnection | None = None
+        self.coordinator: AsyncCoordinatorClient | None = None
         self.failure: BaseException | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -76,8 +78,9 @@ class SamplerService:
         await asyncio.gather(*self.background, *self.inflight, return_exceptions=True)
         if self.engine is not None:
             await self.engine.stop()
-        if hasattr(self, "coordinator"):
+        if self.coordinator is not None:
             await self.coordinator.close()
+        if self.conn is not None:
             self.conn.close()
 
     # ------------------------------------------------------------------------------------------ main loop
