@@ -155,6 +155,8 @@ class SamplerConfig(StrictModel):
     """vLLM max model length."""
     max_inflight_tasks: int = Field(4, ge=1)
     """Tasks taken from the stream at once (capacity); more are left for other samplers."""
+    enforce_eager: bool = False
+    """Run the model eagerly: no torch.compile warm-up when the engine starts (and no compiled graphs after)."""
     weight_transfer: Literal["path"] = "path"
     """How new weights arrive: a published version folder on storage the trainer and samplers share. The only
     transport so far: NCCL transfer (vLLM's weight-transfer API) waits until it can be built and tested on GPUs."""

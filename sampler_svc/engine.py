@@ -180,6 +180,7 @@ class SamplerEngine:
             seed=sampler.seed,
             disable_log_stats=True,
             worker_extension_cls=WORKER_EXTENSION,
+            enforce_eager=sampler.enforce_eager,
         )
         started = time.perf_counter()
         self._gate = _VersionGate()

@@ -90,6 +90,7 @@ def build_rollouts(
                 "queue_s": sample.queue_s,
                 "generate_s": sample.generate_s,
                 "reward_s": time.perf_counter() - started,
+                "done_at": time.time(),  # wall clock: the trainer's receipt minus this is the bus latency
             },
         )
         validate(rollout, limits=limits)

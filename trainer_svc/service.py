@@ -50,6 +50,7 @@ from rlcommon.wire import Rollout
 from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint
 from trainer_svc.parallel import DataParallel
 from trainer_svc.ranks import Ranks
+from trainer_svc.stages import StageClock, rollout_timings
 from trainer_svc.step import TrainStep
 
 logger = logging.getLogger("trainer")
@@ -63,6 +64,8 @@ class BatchBuffer:
 
     rollouts: dict[tuple[int, int], Rollout] = field(default_factory=dict)
     entry_ids: list[bytes] = field(default_factory=list)
+    received_at: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Wall-clock time each slot's rollout arrived (its bus latency: `trainer_svc/stages.py`)."""
 
 
 def build_train_step(cfg: RunConfig, parallel: DataParallel | None) -> tuple[TrainStep, Path, Path | None, dict]:
@@ -111,6 +114,8 @@ class TrainerService:
         """How often the trainer reports the slots it holds of the batch it waits on."""
         self.release_after: dict[int, int] = {}
         """weight version -> last batch id that may hold its rollouts (set once no live sampler serves it)."""
+        self.stages = StageClock()
+        """Wall time per stage of the loop, reported in every metrics row (trainer_svc/stages.py)."""
         self.stopping = threading.Event()
         """Set by `request_stop` (a stop signal) or `stop`: `run` returns after the current step."""
         self.started = False
@@ -154,6 +159,7 @@ class TrainerService:
                         dropped, self.train_step.step)
         self.metrics = MetricsSink(service="trainer", jsonl_path=metrics_path, tensorboard_dir=self.run_dir / "tensorboard")
         self.started = True
+        self.stages.take()  # the first row's stages start here, not at construction
         return self
 
     def finish(self) -> None:
@@ -188,9 +194,10 @@ class TrainerService:
             if buffer is not None and len(buffer.rollouts) == self.samples_per_batch:
                 self.train_batch(self.next_batch_id)
                 continue
-            self.metrics.gauge("rollout_queue_depth", self.consumer.pending_count())
-            self.report_progress()
-            self.accept(self.consumer.read(count=4 * self.samples_per_batch))
+            with self.stages.stage("wait"):
+                self.metrics.gauge("rollout_queue_depth", self.consumer.pending_count())
+                self.report_progress()
+                self.accept(self.consumer.read(count=4 * self.samples_per_batch))
         logger.info("done: %d steps trained", self.train_step.step)
 
     def report_progress(self) -> None:
@@ -219,6 +226,7 @@ class TrainerService:
         be trained. Every entry is acked once a checkpoint covers it, duplicates included."""
         horizon = max(self.next_batch_id + self.cfg.coordinator.max_inflight_batches + 1, self.planned_batches)
         rejects: dict[str, list[Delivery]] = defaultdict(list)
+        received_at = time.time()
         for delivery in deliveries:
             rollout: Rollout = delivery.message  # type: ignore[assignment]
             problem = self.rollout_problem(rollout, horizon=horizon)
@@ -241,6 +249,7 @@ class TrainerService:
                 self.duplicates_dropped += 1
                 continue
             buffer.rollouts[slot] = rollout
+            buffer.received_at[slot] = received_at
         for reason, items in rejects.items():
             self.rejected_rollouts += len(items)
             logger.warning("dead-lettering %d rollouts: %s", len(items), reason)
@@ -274,27 +283,32 @@ class TrainerService:
 
     def train_batch(self, batch_id: int) -> None:
         buffer = self.buffers.pop(batch_id)
-        rollouts = [buffer.rollouts[slot] for slot in sorted(buffer.rollouts)]
-        self.rpc("MarkBatchComplete", pb.MarkBatchCompleteRequest(batch_id=batch_id, num_rollouts=len(rollouts)))
-        result = self.ranks.do("train", rollouts=rollouts)
+        slots = sorted(buffer.rollouts)
+        rollouts = [buffer.rollouts[slot] for slot in slots]
+        with self.stages.stage("mark_complete"):
+            self.rpc("MarkBatchComplete", pb.MarkBatchCompleteRequest(batch_id=batch_id, num_rollouts=len(rollouts)))
+        with self.stages.stage("train"):
+            result = self.ranks.do("train", rollouts=rollouts)
         if result.skipped:
             self.skipped_batches += 1
         step = self.train_step.step - 1
         stats = {k: float(v) for k, v in result.metrics.items() if isinstance(v, int | float)}
         by_sampler = Counter(r.sampler_id for r in rollouts)
-        reply = self.rpc(
-            "ReportStep",
-            pb.ReportStepRequest(
-                step=step,
-                batch_id=batch_id,
-                weight_version=self.train_step.weight_version,
-                stats=stats,
-                rollouts_by_sampler=by_sampler,
-            ),
-        )
+        with self.stages.stage("report"):
+            reply = self.rpc(
+                "ReportStep",
+                pb.ReportStepRequest(
+                    step=step,
+                    batch_id=batch_id,
+                    weight_version=self.train_step.weight_version,
+                    stats=stats,
+                    rollouts_by_sampler=by_sampler,
+                ),
+            )
         synced = None
         if reply.publish:
-            synced = self.publish(reply.next_weight_version, step=step, reason=reply.reason)
+            with self.stages.stage("publish"):
+                synced = self.publish(reply.next_weight_version, step=step, reason=reply.reason)
         self.next_batch_id = batch_id + 1
         self.unacked_entry_ids.extend(buffer.entry_ids)
         record = {
@@ -304,6 +318,9 @@ class TrainerService:
             "sync_reason": reply.reason if reply.publish else "",
             "published_version": synced,
             "skip_reason": result.skip_reason or "",
+            "time": time.time(),
+            **rollout_timings(rollouts, [buffer.received_at[slot] for slot in slots]),
+            **self.stages.take(),
         }
         # The row before the checkpoint that covers its step: a crash after the checkpoint must not lose it (a
         # crash before it replays the step, and metrics.jsonl is cut back to the checkpoint on resume).
@@ -313,9 +330,11 @@ class TrainerService:
             step, batch_id, result.metrics.get("reward_mean", float("nan")), result.metrics.get("ess_lag", float("nan")),
             self.train_step.weight_version, f" -> published v{synced} ({reply.reason})" if synced is not None else "",
         )
-        if self.train_step.step % self.cfg.trainer.checkpoint_every == 0 or self.train_step.step >= self.cfg.steps:
-            self.checkpoint()
-        self.release_old_versions()
+        with self.stages.stage("checkpoint"):  # in the next row: this one is written
+            if self.train_step.step % self.cfg.trainer.checkpoint_every == 0 or self.train_step.step >= self.cfg.steps:
+                self.checkpoint()
+        with self.stages.stage("release"):
+            self.release_old_versions()
 
     def publish(self, weight_version: int, *, step: int, reason: str) -> int:
         folder = version_folder(self.cfg.publish_dir, weight_version)

@@ -1,0 +1,163 @@
+"""End-to-end speed: the real stack against a synchronous single-process loop, in one run.
+
+    python -m benchmarks.pipeline [--config configs/default.toml] [--steps 40] [--warmup 10] [--json]
+
+1. **pipeline**: `launcher.run.run` (what `make run` runs: redis-server, coordinator, sampler(s), trainer as
+   processes) for warmup + steps steps. From the trainer's metrics rows: time from the launcher's start to
+   the first trained step, steady-state steps/s and tokens/s over the last `steps` rows, and the per-stage
+   breakdown every row carries (trainer_svc/stages.py: waiting for the batch, MarkBatchComplete, the step,
+   ReportStep, publish, checkpoint + acks, release; the samplers' engine queue, generate and reward times and
+   the bus latency, averaged over the batch's rollouts).
+2. **inprocess**: benchmarks/inprocess.py, the same model, task, B x G, TrainStep and lr, generating with
+   HF `generate`, at each torch thread count of `--threads` (the best one is the reference).
+3. `pipeline_vs_inprocess` = pipeline steps/s / best in-process steps/s; `overlap_bound` = (sample + train)
+   / max(sample, train) of the in-process loop: what perfect overlap of its two stages could give on
+   separate cores (on shared cores, less).
+
+Writes `<out>/pipeline.json` and `<out>/breakdown.png` (stacked bars of seconds per step by stage) and
+prints the JSON (`--json`) or a summary. Progress lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from rlcommon.config import RunConfig
+
+TRAINER_STAGES = ("wait", "mark_complete", "train", "report", "publish", "checkpoint", "release", "other")
+SAMPLER_TIMINGS = ("sampler_queue_s", "sampler_generate_s", "sampler_reward_s", "bus_s")
+
+
+def log(message: str) -> None:
+    print(f"[pipeline] {message}", file=sys.stderr, flush=True)
+
+
+def steady_figures(rows: list[dict[str, Any]], *, warmup: int, rollouts_per_step: int) -> dict[str, Any]:
+    """Steps/s, tokens/s and the mean stage seconds of the rows after `warmup` (their wall time runs from the
+    end of the last warm-up step to the end of the last step)."""
+    if len(rows) <= warmup or warmup < 1:
+        raise ValueError(f"need more than warmup = {warmup} >= 1 rows, got {len(rows)}")
+    steady = rows[warmup:]
+    wall = steady[-1]["time"] - rows[warmup - 1]["time"]
+    tokens = sum(r["response_length_mean"] * rollouts_per_step for r in steady)
+    stages = {name: mean(r.get(f"stage_{name}_s", 0.0) for r in steady) for name in TRAINER_STAGES}
+    sampler = {key: mean(r[key] for r in steady if key in r) for key in SAMPLER_TIMINGS
+               if any(key in r for r in steady)}
+    return {
+        "steps": len(steady),
+        "steps_per_s": len(steady) / wall,
+        "step_s": wall / len(steady),
+        "tokens_per_s": tokens / wall,
+        "trainer_stages_s": stages,
+        "sampler_timings_s": sampler,
+        "reward_last": mean(r["reward_mean"] for r in steady[-5:]),
+    }
+
+
+def run_pipeline(cfg: RunConfig, *, steps: int, warmup: int) -> dict[str, Any]:
+    from launcher.run import run
+    from rlcommon.metrics import read_jsonl
+
+    cfg.steps = warmup + steps
+    cfg.coordinator.total_batches = cfg.steps
+    started = time.time()
+    summary = run(cfg, progress_bar=False)
+    rows = read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")
+    figures = steady_figures(rows, warmup=warmup,
+                             rollouts_per_step=cfg.coordinator.batch_size * cfg.coordinator.group_size)
+    return {"first_step_s": rows[0]["time"] - started, **figures, "syncs": len(summary["syncs"]),
+            "wall_s": summary["wall_seconds"]}
+
+
+def plot_breakdown(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars: list[tuple[str, dict[str, float]]] = []
+    if "pipeline" in result:
+        pipe = result["pipeline"]
+        bars.append(("pipeline: trainer", {k: v for k, v in pipe["trainer_stages_s"].items() if v > 0}))
+        bars.append(("pipeline: a rollout", dict(pipe["sampler_timings_s"])))
+    if "inprocess" in result:
+        best = result["inprocess"]["best"]
+        bars.append((f"in-process ({best['threads']} threads)",
+                     {"sample (HF generate)": best["sample_s"], "train": best["train_s"]}))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    names = list(dict.fromkeys(name for _, parts in bars for name in parts))
+    for index, (_, parts) in enumerate(bars):
+        left = 0.0
+        for name, seconds in parts.items():
+            ax.barh(index, seconds, left=left, color=colors[names.index(name) % len(colors)],
+                    label=name if index == next(i for i, (_, p) in enumerate(bars) if name in p) else None)
+            left += seconds
+    ax.set_yticks(range(len(bars)), [label for label, _ in bars])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (per step; a rollout's own times for the sampler bar)")
+    ax.set_title("Where a step's time goes")
+    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from launcher.run import parse_args
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="measured steps (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps before the measurement")
+    parser.add_argument("--threads", default="1,2", help="torch thread counts of the in-process loop")
+    parser.add_argument("--out", default="runs/bench-pipeline", help="folder of the runs, the JSON and the PNG")
+    parser.add_argument("--no-pipeline", action="store_true")
+    parser.add_argument("--no-inprocess", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the JSON only")
+    args, rest = parser.parse_known_args(argv)
+    out = Path(args.out).resolve()
+    result: dict[str, Any] = {"command": "python -m benchmarks.pipeline " + " ".join(argv or sys.argv[1:])}
+    if not args.no_pipeline:
+        cfg, _ = parse_args([*rest, f"--run_dir={out / 'pipeline-run'}", "--bus.run_id=bench-pipeline"])
+        result["config"] = {"batch_size": cfg.coordinator.batch_size, "group_size": cfg.coordinator.group_size,
+                            "model": cfg.model.name_or_path, "method": cfg.trainer.method,
+                            "max_tokens": cfg.sampling.max_tokens, "sync_policy": cfg.coordinator.sync_policy}
+        log(f"pipeline: {args.warmup} + {args.steps} steps of the stack (launcher.run)")
+        result["pipeline"] = run_pipeline(cfg, steps=args.steps, warmup=args.warmup)
+        log(f"pipeline: {result['pipeline']['steps_per_s']:.2f} steps/s, "
+            f"first step after {result['pipeline']['first_step_s']:.1f} s")
+    if not args.no_inprocess:
+        from benchmarks.inprocess import run_inprocess
+
+        cfg, _ = parse_args([*rest, f"--run_dir={out / 'inprocess'}"])
+        runs = []
+        for threads in [int(t) for t in args.threads.split(",") if t]:
+            log(f"in-process loop, {threads} torch thread(s): {args.warmup} + {args.steps} steps")
+            runs.append(run_inprocess(cfg, steps=args.steps, warmup=args.warmup, threads=threads))
+            log(f"in-process, {threads} thread(s): {runs[-1]['steps_per_s']:.2f} steps/s")
+        best = max(runs, key=lambda r: r["steps_per_s"])
+        result["inprocess"] = {"runs": runs, "best": best,
+                               "overlap_bound": (best["sample_s"] + best["train_s"])
+                               / max(best["sample_s"], best["train_s"])}
+    if "pipeline" in result and "inprocess" in result:
+        result["pipeline_vs_inprocess"] = result["pipeline"]["steps_per_s"] / result["inprocess"]["best"]["steps_per_s"]
+    out.mkdir(parents=True, exist_ok=True)
+    result["plot"] = str(plot_breakdown(result, out / "breakdown.png"))
+    (out / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
