@@ -132,6 +132,21 @@ def test_run_folder_has_plots_metrics_and_logs(finished_run):
     assert list((run_dir / "checkpoints").iterdir())
 
 
+def test_every_row_says_where_its_time_went(finished_run):
+    """trainer_svc/stages.py: the stages of a row add up to its wall time; the rows' wall-clock times rise by
+    those wall times; every rollout's sampler timings and bus latency are there."""
+    rows = finished_run["rows"]
+    for row in rows:
+        stages = [v for k, v in row.items() if k.startswith("stage_")]
+        assert {"stage_wait_s", "stage_train_s", "stage_report_s", "stage_other_s"} <= row.keys()
+        assert all(v >= 0 for v in stages) and sum(stages) == pytest.approx(row["row_wall_s"], rel=1e-6)
+        assert row["stage_train_s"] >= row["step_time_s"]
+        assert row["sampler_generate_s"] > 0 and row["bus_s"] >= 0
+    for before, after in zip(rows, rows[1:], strict=False):
+        assert after["time"] - before["time"] == pytest.approx(after["row_wall_s"], abs=0.05)
+    assert any(r.get("stage_checkpoint_s", 0) > 0 for r in rows[1:])  # checkpoint_every = 1: the next row has it
+
+
 def test_every_service_exports_prometheus_metrics(finished_run):
     pages = finished_run["live"]["prometheus"]
     if "trainer" not in pages:

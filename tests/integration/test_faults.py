@@ -54,7 +54,7 @@ STEPS = 80  # a step takes ~0.2 s here: enough steps for every fault to land whi
 B, G = 4, 2
 RUN_ID = "faults"
 CHECKPOINT_EVERY = 8
-SYNC_EVERY = 4
+SYNC_EVERY = 3  # publishes after steps 2, 5, 8, 11, ...: two of them land between checkpoints 8 and 16
 ACK_TIMEOUT_S = 2.0
 PHASE_TIMEOUT_S = 240.0
 SILENT_SAMPLER = "silent-sampler"
@@ -199,8 +199,8 @@ def rollout_entries(driver: FaultDriver) -> list[tuple[float, wire.Rollout]]:
 
 
 def row_stats(row: dict[str, Any]) -> str:
-    """A metrics row without its timings, comparable (NaN included)."""
-    return json.dumps({k: v for k, v in row.items() if not k.endswith("time_s")}, sort_keys=True)
+    """A metrics row without its timings (seconds: `*_s`; the wall clock: `time`), comparable (NaN included)."""
+    return json.dumps({k: v for k, v in row.items() if not k.endswith("_s") and k != "time"}, sort_keys=True)
 
 
 def log_after(fault_run: dict[str, Any], name: str, offset: int) -> str:
@@ -245,13 +245,15 @@ def kill_trainer_with_uncheckpointed_publishes(driver: FaultDriver) -> dict[str,
     def window() -> dict[str, Any] | None:
         rows = driver.rows()
         checkpoints = list_checkpoints(driver.run_dir / "checkpoints")
-        covered = int(checkpoints[-1].name.split("_")[1]) if checkpoints else 0
+        if not checkpoints:  # the restarted trainer must resume from one
+            return None
+        covered = int(checkpoints[-1].name.split("_")[1])
         if sum(1 for r in rows if r["step"] >= covered and r["publish"]) < 2:
             return None
         driver.stack.send_signal("trainer", signal.SIGSTOP)
         rows = driver.rows()
         checkpoints = list_checkpoints(driver.run_dir / "checkpoints")
-        covered = int(checkpoints[-1].name.split("_")[1]) if checkpoints else 0
+        covered = int(checkpoints[-1].name.split("_")[1])
         uncovered = [r for r in rows if r["step"] >= covered]
         if sum(1 for r in uncovered if r["publish"]) >= 2:
             return {"checkpoint_step": covered, "uncovered": uncovered}
