@@ -47,6 +47,7 @@ def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: di
         "skipped_batches": trainer_state.get("skipped_batches", 0),
         "restarts": dict(restarts or {}),
         "wall_seconds": coordinator.get("wall_seconds"),
+        "first_step_seconds": coordinator.get("first_step_seconds"),
     }
 
 
@@ -103,6 +104,10 @@ class Progress:
 
     def __init__(self, *, total: int, metrics_path: Path, bar: bool) -> None:
         self.metrics_path = metrics_path
+        self.started_at = time.time()
+        self.first_step_s: float | None = None
+        """Seconds from the launcher's start to the first step trained after it (rows carry their wall time;
+        a resumed run's older rows do not count)."""
         self.seen = 0
         self.syncs = 0
         self.bar = None
@@ -113,6 +118,11 @@ class Progress:
 
     def update(self) -> list[dict[str, Any]]:
         rows = read_jsonl(self.metrics_path)
+        if self.first_step_s is None:
+            times = [row["time"] for row in rows if row.get("time", 0.0) >= self.started_at]
+            if times:
+                self.first_step_s = times[0] - self.started_at
+                self.write(f"first step trained {self.first_step_s:.1f} s after the start")
         for row in rows[self.seen:]:
             self.syncs += 1 if row.get("publish") else 0
             fields = {
@@ -182,6 +192,7 @@ def run(
         progress.close()
         stack.stop()
     snapshot["wall_seconds"] = round(time.monotonic() - started, 1)
+    snapshot["first_step_seconds"] = None if progress.first_step_s is None else round(progress.first_step_s, 1)
     trainer_state_path = stack.run_dir / "trainer_state.json"
     trainer_state = json.loads(trainer_state_path.read_text()) if trainer_state_path.exists() else {}
     summary = build_summary(cfg=cfg, rows=rows, coordinator=snapshot, trainer_state=trainer_state,

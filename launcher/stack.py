@@ -49,8 +49,8 @@ class LocalStack:
         """Restarts of each service by `restart_exited` (only the services restarted)."""
 
     def start(self, *, hold: tuple[str, ...] = ()) -> LocalStack:
-        """Start redis-server (if embedded), the coordinator (waiting until it serves), then every other
-        service except those in `hold` (a test starts them later with `start_service`)."""
+        """Start redis-server (if embedded), the coordinator and every other service except those in `hold` (a
+        test starts them later with `start_service`); returns once the coordinator serves."""
         from rlcommon.embedded_redis import EmbeddedRedis
         from rlcommon.models import resolve_model
         from rlcommon.redis_acl import SERVICE_USERS, service_users
@@ -70,11 +70,14 @@ class LocalStack:
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
                               model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls)
         self.specs = {spec.name: spec for spec in specs}
+        # Every service starts at once: a sampler's engine (the longest start) need not wait for the coordinator,
+        # and the clients wait for it to serve (gRPC wait-for-ready); the consumer groups read from the streams'
+        # first entry, so no task is missed whoever comes first.
         self.start_service("coordinator")
-        wait_for_coordinator(self.client, timeout_s=120, watch=list(self.processes.values()))
         for name in self.specs:
             if name != "coordinator" and name not in hold:
                 self.start_service(name)
+        wait_for_coordinator(self.client, timeout_s=120, watch=list(self.processes.values()))
         return self
 
     def start_service(self, name: str) -> ServiceProcess:

@@ -107,3 +107,21 @@ def test_a_clean_exit_is_left_stopped_and_returned(tmp_path, monkeypatch):
         assert stack.restarts == {}
     finally:
         stack.stop()
+
+
+def test_progress_times_the_first_step_trained_after_the_start(tmp_path, capsys):
+    import json
+    import time
+
+    from launcher.run import Progress
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 0, "time": time.time() - 100.0, "reward_mean": 0.1}) + "\n")  # resumed
+    progress = Progress(total=3, metrics_path=metrics, bar=False)
+    progress.update()
+    assert progress.first_step_s is None  # the row of an earlier start does not count
+    with metrics.open("a") as out:
+        out.write(json.dumps({"step": 1, "time": progress.started_at + 2.5, "reward_mean": 0.2}) + "\n")
+    progress.update()
+    assert progress.first_step_s == pytest.approx(2.5)
+    assert "first step trained 2.5 s after the start" in capsys.readouterr().out
