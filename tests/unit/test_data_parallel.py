@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +18,30 @@ from rlcommon.config import METHODS
 from tests.unit.test_step import F32_GRAD_RTOL
 
 REPO = Path(__file__).resolve().parents[2]
+GLOO_ABORT = "terminate called without an active exception"
+"""A rank that dies in C++ (std::terminate, SIGABRT) with no Python error of its own: seen once in ~10 runs on
+a busy 2-core machine (a gloo thread, cf. pytorch/pytorch#90549), never twice in a row."""
+
+
+def run_ranks(out: Path, *args: str, scratch: Path | None = None) -> dict:
+    """tests/unit/dp_worker.py on 2 gloo ranks under torchrun; what rank 0 wrote. One more try only after the
+    C++ abort above when no worker raised (an assertion or error in dp_worker.py fails at once); `scratch`, the
+    workers' output folder, is emptied before it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests/unit/dp_worker.py"), str(out), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 and GLOO_ABORT in proc.stderr and 'dp_worker.py", line' not in proc.stderr:
+        print(f"a rank aborted in C++ ({GLOO_ABORT!r}) without a Python error: running the ranks again")
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("dp") / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests/unit/dp_worker.py"), str(out), *METHODS]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_ranks(tmp_path_factory.mktemp("dp") / "out.json", *METHODS)
 
 
 def test_two_ranks_hold_half_the_weights_each(two_ranks):
@@ -56,12 +71,8 @@ def test_two_ranks_take_the_one_process_step(two_ranks, method):
 @pytest.fixture(scope="module")
 def two_rank_checkpoint(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("dp-checkpoint")
-    out = folder / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests/unit/dp_worker.py"), str(out), "--checkpoint", str(folder / "checkpoints")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return {**json.loads(out.read_text()), "full": folder / "checkpoints" / "full.pt"}
+    report = run_ranks(folder / "out.json", "--checkpoint", str(folder / "checkpoints"), scratch=folder / "checkpoints")
+    return {**report, "full": folder / "checkpoints" / "full.pt"}
 
 
 def test_a_two_rank_checkpoint_resumes_on_two_ranks(two_rank_checkpoint):
@@ -105,12 +116,7 @@ def test_two_ranks_publish_the_whole_weights_from_rank_0(two_rank_checkpoint):
 
 
 def test_checkpointed_layers_and_a_chunked_head_under_fsdp2_take_the_one_process_step(tmp_path):
-    out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests/unit/dp_worker.py"), str(out), "--memory-settings"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    report = json.loads(out.read_text())
+    report = run_ranks(tmp_path / "out.json", "--memory-settings")
     for result in report["results"]:
         assert result["settings"] == {"gradient_checkpointing": True, "logits_chunk_tokens": 3}
         for index, step in enumerate(result["steps"]):
