@@ -21,6 +21,7 @@ prints the JSON (`--json`) or a summary. Progress lines go to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -67,7 +68,8 @@ def run_pipeline(cfg: RunConfig, *, steps: int, warmup: int) -> dict[str, Any]:
     cfg.steps = warmup + steps
     cfg.coordinator.total_batches = cfg.steps
     started = time.time()
-    summary = run(cfg, progress_bar=False)
+    with contextlib.redirect_stdout(sys.stderr):  # the launcher's per-step lines: stdout is the JSON's
+        summary = run(cfg, progress_bar=False)
     rows = read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")
     figures = steady_figures(rows, warmup=warmup,
                              rollouts_per_step=cfg.coordinator.batch_size * cfg.coordinator.group_size)
