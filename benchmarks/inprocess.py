@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from rlcommon.config import RunConfig
+from rlcommon.plan_ids import slot_rollout_id
 from rlcommon.rewards import reward
 from rlcommon.tasks import Problem, TaskSource
 from rlcommon.wire import Rollout
@@ -66,7 +67,7 @@ def generate_rollouts_hf(
         problem = problems[row // group_size]
         text = tokenizer.decode(response[:-1] if stopped else response)
         rollouts.append(Rollout(
-            rollout_id=f"b{batch_id}-g{row // group_size}:{row % group_size}", batch_id=batch_id,
+            rollout_id=slot_rollout_id(batch_id, row // group_size, row % group_size), batch_id=batch_id,
             group_id=row // group_size, sample_index=row % group_size, weight_version=weight_version,
             sampler_id="inprocess", prompt_ids=np.asarray(prompt, np.int32),
             response_ids=np.asarray(response, np.int32),

@@ -40,6 +40,7 @@ import numpy as np
 from rlcommon.bus import RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import WireLimits
 from rlcommon.embedded_redis import EmbeddedRedis
+from rlcommon.plan_ids import slot_rollout_id
 from rlcommon.wire import Rollout, encode
 
 STREAM = "dlc:load:rollouts"
@@ -113,7 +114,7 @@ def _sampler(index: int, url: str, settings: LoadSettings, start_at: float, resu
             sent_at = time.time()
             rollouts = [
                 Rollout(
-                    rollout_id=f"b{batch_id}-g{group_id}:{sample}", batch_id=batch_id, group_id=group_id,
+                    rollout_id=slot_rollout_id(batch_id, group_id, sample), batch_id=batch_id, group_id=group_id,
                     sample_index=sample, weight_version=0, sampler_id=f"load-{index}", reward=float(sample % 2),
                     finish_reason="length", temperature=1.0, top_p=1.0, top_k=-1,
                     timings={"made_at": made_at, "sent_at": sent_at}, **arrays,

@@ -3,8 +3,8 @@
 Each rollout carries exactly the engine's tokens and processed logprobs, the reward of the task's
 reward function on the decoded response, and the weight version that generated every one of its tokens.
 The request seed derives from the sampler's base seed and the task id, so a redelivered task is sampled
-with the same seeds, and `rlcommon.plan_ids.rollout_id` names the slot (task, sample index): the trainer keeps one rollout
-per slot however often a task is redelivered or re-issued. A re-issued task (`Task.sample_indices`) asks
+with the same seeds, and `rlcommon.plan_ids.rollout_id` names the slot (task, sample index): the trainer
+keeps one rollout per slot however often a task is redelivered or re-issued. A re-issued task (`Task.sample_indices`) asks
 for some samples only: each is generated alone, with the seed it has in the whole group.
 """
 

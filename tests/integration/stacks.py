@@ -6,8 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlcommon.config import RunConfig, load_config
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.conftest import REPO_ROOT
 
 
 def stack_config(run_dir: Path, *, steps: int, run_id: str, overrides: Sequence[str] = ()) -> RunConfig:
