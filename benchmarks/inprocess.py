@@ -98,10 +98,10 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
     tasks = TaskSource(cfg.task)
     batch_size = cfg.coordinator.batch_size
     sample_s, train_s, tokens, rewards = [], [], 0, []
-    measured_from = None
+    measured_from = cpu_from = None
     for step in range(warmup + steps):
         if step == warmup:
-            measured_from = time.perf_counter()
+            measured_from, cpu_from = time.perf_counter(), time.process_time()
         problems = [tasks.problem(step * batch_size + g) for g in range(batch_size)]
         t0 = time.perf_counter()
         rollouts = generate_rollouts_hf(model, tokenizer, problems, cfg, batch_id=step,
@@ -118,6 +118,7 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
             tokens += sum(len(r.response_ids) for r in rollouts)
             rewards.append(float(np.mean([r.reward for r in rollouts])))
     wall = time.perf_counter() - measured_from
+    cpu = time.process_time() - cpu_from  # every thread of this process
     return {
         "threads": threads,
         "steps": steps,
@@ -125,6 +126,7 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
         "tokens_per_s": tokens / wall,
         "sample_s": median(sample_s),
         "train_s": median(train_s),
+        "cpu_s_per_step": cpu / steps,
         "reward_first": rewards[0],
         "reward_last": float(np.mean(rewards[-5:])),
     }

@@ -1,18 +1,21 @@
 """End-to-end speed: the real stack against a synchronous single-process loop, in one run.
 
-    python -m benchmarks.pipeline [--config configs/default.toml] [--steps 40] [--warmup 10] [--json]
+    python -m benchmarks.pipeline [--config configs/default.toml] [--steps 100] [--warmup 10] [--json]
 
 1. **pipeline**: `launcher.run.run` (what `make run` runs: redis-server, coordinator, sampler(s), trainer as
    processes) for warmup + steps steps. From the trainer's metrics rows: time from the launcher's start to
    the first trained step, steady-state steps/s and tokens/s over the last `steps` rows, and the per-stage
    breakdown every row carries (trainer_svc/stages.py: waiting for the batch, MarkBatchComplete, the step,
    ReportStep, publish, checkpoint + acks, release; the samplers' engine queue, generate and reward times and
-   the bus latency, averaged over the batch's rollouts).
+   the bus latency, averaged over the batch's rollouts). Over the same steady window, the CPU seconds per
+   step of each service (benchmarks/cpu_usage.py; a sampler's vLLM engine-core process counts as its own).
 2. **inprocess**: benchmarks/inprocess.py, the same model, task, B x G, TrainStep and lr, generating with
    HF `generate`, at each torch thread count of `--threads` (the best one is the reference).
 3. `pipeline_vs_inprocess` = pipeline steps/s / best in-process steps/s; `overlap_bound` = (sample + train)
    / max(sample, train) of the in-process loop: what perfect overlap of its two stages could give on
-   separate cores (on shared cores, less).
+   separate cores (on shared cores, less); `pipeline.cpu_bound_steps_per_s` = cores / the pipeline's CPU
+   seconds per step: the most any overlap can give on these cores, and `cpu_bound_vs_inprocess` that bound
+   over the in-process loop (below 1, the pipeline needs less work per step, not more overlap, to win here).
 
 Writes `<out>/pipeline.json` and `<out>/breakdown.png` (stacked bars of seconds per step by stage) and
 prints the JSON (`--json`) or a summary. Progress lines go to stderr.
@@ -23,12 +26,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from benchmarks.cpu_usage import CpuMonitor
 from rlcommon.config import RunConfig
 
 TRAINER_STAGES = ("wait", "mark_complete", "train", "report", "publish", "checkpoint", "release", "other")
@@ -68,12 +73,16 @@ def run_pipeline(cfg: RunConfig, *, steps: int, warmup: int) -> dict[str, Any]:
     cfg.steps = warmup + steps
     cfg.coordinator.total_batches = cfg.steps
     started = time.time()
-    with contextlib.redirect_stdout(sys.stderr):  # the launcher's per-step lines: stdout is the JSON's
+    # the launcher's per-step lines go to stderr: stdout is the JSON's
+    with CpuMonitor() as cpu, contextlib.redirect_stdout(sys.stderr):
         summary = run(cfg, progress_bar=False)
     rows = read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")
     figures = steady_figures(rows, warmup=warmup,
                              rollouts_per_step=cfg.coordinator.batch_size * cfg.coordinator.group_size)
-    return {"first_step_s": rows[0]["time"] - started, **figures, "syncs": len(summary["syncs"]),
+    used = cpu.cpu_between(rows[warmup - 1]["time"], rows[-1]["time"])
+    cpu_s = {service: seconds / figures["steps"] for service, seconds in used.items()}
+    return {"first_step_s": rows[0]["time"] - started, **figures, "cpu_s_per_step": cpu_s,
+            "cpu_s_per_step_total": sum(cpu_s.values()), "syncs": len(summary["syncs"]),
             "wall_s": summary["wall_seconds"]}
 
 
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.run import parse_args
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="measured steps (after the warm-up)")
+    parser.add_argument("--steps", type=int, default=100, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=10, help="steps before the measurement")
     parser.add_argument("--threads", default="1,2", help="torch thread counts of the in-process loop")
     parser.add_argument("--out", default="runs/bench-pipeline", help="folder of the runs, the JSON and the PNG")
@@ -149,8 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         result["inprocess"] = {"runs": runs, "best": best,
                                "overlap_bound": (best["sample_s"] + best["train_s"])
                                / max(best["sample_s"], best["train_s"])}
+    cores = len(os.sched_getaffinity(0))
+    result["cores"] = cores
+    if "pipeline" in result:
+        # However well the stages overlap, C cores run at most C / (CPU seconds per step) steps per second.
+        result["pipeline"]["cpu_bound_steps_per_s"] = cores / result["pipeline"]["cpu_s_per_step_total"]
     if "pipeline" in result and "inprocess" in result:
-        result["pipeline_vs_inprocess"] = result["pipeline"]["steps_per_s"] / result["inprocess"]["best"]["steps_per_s"]
+        best = result["inprocess"]["best"]["steps_per_s"]
+        result["pipeline_vs_inprocess"] = result["pipeline"]["steps_per_s"] / best
+        result["cpu_bound_vs_inprocess"] = result["pipeline"]["cpu_bound_steps_per_s"] / best
     out.mkdir(parents=True, exist_ok=True)
     result["plot"] = str(plot_breakdown(result, out / "breakdown.png"))
     (out / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")

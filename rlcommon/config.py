@@ -78,8 +78,9 @@ class BusConfig(StrictModel):
     """XREADGROUP block timeout."""
     max_stream_len: int = Field(100_000, ge=100)
     """Trim target; trimming never drops entries that are still unacknowledged."""
-    max_queue_depth: int = Field(4096, ge=1)
-    """Backpressure: producers wait while the rollout stream holds more undelivered+pending entries."""
+    max_queue_depth: int | None = Field(None, ge=1)
+    """Backpressure: producers wait while the rollout stream holds more undelivered+pending entries. None
+    (in a RunConfig): twice what the trainer may hold unacked, at least 4096 (see `RunConfig`)."""
 
 
 class ModelConfig(StrictModel):
@@ -153,10 +154,19 @@ class SamplerConfig(StrictModel):
     set this."""
     max_model_len: int = Field(256, ge=8)
     """vLLM max model length."""
-    max_inflight_tasks: int = Field(4, ge=1)
-    """Tasks taken from the stream at once (capacity); more are left for other samplers."""
-    enforce_eager: bool = False
-    """Run the model eagerly: no torch.compile warm-up when the engine starts (and no compiled graphs after)."""
+    max_inflight_tasks: int | None = Field(None, ge=1)
+    """Tasks taken from the stream at once (capacity); more are left for other samplers. None (in a RunConfig):
+    the coordinator's whole planned window, `max_inflight_batches x batch_size` tasks, so that one engine
+    batches every planned sample at once (continuous batching); with several replicas a lower value spreads
+    the tasks more evenly."""
+    enforce_eager: bool | None = None
+    """Run the model eagerly: no torch.compile warm-up when the engine starts (and no compiled graphs after).
+    None: eager on CPU (compiling takes 20-30 s of the start-up there and bought no measured speed:
+    `benchmarks/pipeline.py`), compiled with CUDA graphs on GPU."""
+    cpu_executor: Literal["uni", "mp"] = "uni"
+    """On CPU, where vLLM runs the model: `uni` inside its engine-core process (one process fewer to start, no
+    worker spin-waiting on a shared-memory queue beside the trainer); `mp` in a worker process of its own
+    (vLLM's CPU default; it binds OpenMP threads to cores when `VLLM_CPU_OMP_THREADS_BIND` asks)."""
     weight_transfer: Literal["path"] = "path"
     """How new weights arrive: a published version folder on storage the trainer and samplers share. The only
     transport so far: NCCL transfer (vLLM's weight-transfer API) waits until it can be built and tested on GPUs."""
@@ -231,8 +241,10 @@ class TrainerConfig(StrictModel):
     logits_chunk_tokens: int | None = Field(None, ge=1)
     """Response positions per LM-head chunk (logits, log-softmax, their backward): bounds the vocabulary-sized
     memory to [chunk, V]. None: as many as fit 64 Mi float32 logits (256 MiB)."""
-    checkpoint_every: int = Field(1, ge=1)
-    """Checkpoint every N steps (rollouts are acked only once a checkpoint covers them)."""
+    checkpoint_every: int = Field(10, ge=1)
+    """Checkpoint every N steps (rollouts are acked only once a checkpoint covers them, so the queue holds the
+    rollouts of up to N steps, and a restarted trainer trains up to N - 1 steps again). The last step and a
+    stop are always checkpointed."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many checkpoints to keep."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
@@ -378,6 +390,8 @@ class RunConfig(StrictModel):
         current batch would stop the samplers for good."""
         c = self.coordinator
         held = (self.trainer.checkpoint_every - 1 + c.max_inflight_batches) * c.batch_size * c.group_size
+        if self.bus.max_queue_depth is None:
+            self.bus.max_queue_depth = max(4096, 2 * held)
         if self.bus.max_queue_depth < held:
             raise ValueError(
                 f"bus.max_queue_depth = {self.bus.max_queue_depth} is below the {held} rollouts the trainer may "
@@ -386,6 +400,12 @@ class RunConfig(StrictModel):
                 f"{c.batch_size} x {c.group_size}): the samplers would wait for room forever; raise "
                 f"bus.max_queue_depth or lower trainer.checkpoint_every"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sampler_capacity(self) -> RunConfig:
+        if self.sampler.max_inflight_tasks is None:
+            self.sampler.max_inflight_tasks = self.coordinator.max_inflight_batches * self.coordinator.batch_size
         return self
 
     @model_validator(mode="after")

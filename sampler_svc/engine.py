@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -129,6 +130,19 @@ class _VersionGate:
                 self._cond.notify_all()
 
 
+def execution_settings(sampler: SamplerConfig, *, on_cpu: bool) -> dict[str, Any]:
+    """How vLLM runs the model: `enforce_eager` (the config's; None: eager on CPU, compiled on GPU), the
+    executor (`sampler.cpu_executor` on CPU; None on GPU: vLLM's default) and the environment that executor
+    needs (`uni` on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vLLM's CPU platform forces `mp`;
+    AsyncLLM keeps its engine-core process either way)."""
+    executor = sampler.cpu_executor if on_cpu else None
+    return {
+        "enforce_eager": sampler.enforce_eager if sampler.enforce_eager is not None else on_cpu,
+        "executor": executor,
+        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if executor == "uni" else {},
+    }
+
+
 class SamplerEngine:
     """vLLM `AsyncLLM` with token-id prompts, processed logprobs, top-K rows and versioned weight swaps.
 
@@ -166,9 +180,12 @@ class SamplerEngine:
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model folder {self.model_dir} has no config.json")
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         sampler = self.sampler_cfg
+        execution = execution_settings(sampler, on_cpu=current_platform.is_cpu())
+        os.environ.update(execution["env"])  # read when the engine checks its config (and by its engine core)
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=sampler.dtype,
@@ -180,7 +197,8 @@ class SamplerEngine:
             seed=sampler.seed,
             disable_log_stats=True,
             worker_extension_cls=WORKER_EXTENSION,
-            enforce_eager=sampler.enforce_eager,
+            enforce_eager=execution["enforce_eager"],
+            distributed_executor_backend=execution["executor"],
         )
         started = time.perf_counter()
         self._gate = _VersionGate()
@@ -200,12 +218,14 @@ class SamplerEngine:
             await self.stop()
             raise
         logger.info(
-            "vLLM engine up in %.1f s: %s dtype=%s K=%d weight_version=%d",
+            "vLLM engine up in %.1f s: %s dtype=%s K=%d weight_version=%d (%s, executor %s)",
             time.perf_counter() - started,
             self.model_dir,
             sampler.dtype,
             self.topk,
             self._weight_version,
+            "eager" if execution["enforce_eager"] else "compiled",
+            execution["executor"] or "vLLM's default",
         )
         return self
 

@@ -305,6 +305,7 @@ class TrainerService:
                     rollouts_by_sampler=by_sampler,
                 ),
             )
+        self.planned_batches = max(self.planned_batches, reply.batches.total)
         synced = None
         if reply.publish:
             with self.stages.stage("publish"):
@@ -330,8 +331,8 @@ class TrainerService:
             step, batch_id, result.metrics.get("reward_mean", float("nan")), result.metrics.get("ess_lag", float("nan")),
             self.train_step.weight_version, f" -> published v{synced} ({reply.reason})" if synced is not None else "",
         )
-        with self.stages.stage("checkpoint"):  # in the next row: this one is written
-            if self.train_step.step % self.cfg.trainer.checkpoint_every == 0 or self.train_step.step >= self.cfg.steps:
+        if self.train_step.step % self.cfg.trainer.checkpoint_every == 0 or self.train_step.step >= self.cfg.steps:
+            with self.stages.stage("checkpoint"):  # in the next row: this one is written
                 self.checkpoint()
         with self.stages.stage("release"):
             self.release_old_versions()
@@ -396,7 +397,10 @@ class TrainerService:
 
         Once every live sampler serves a version newer than v, only batches planned so far can hold
         rollouts of v (later batches' tasks do not exist yet); v is released when all of those are trained.
+        With only the live version kept there is nothing to release (and no status to ask for).
         """
+        if len(self.train_step.snapshots.versions) <= 1:
+            return
         status = self.refresh_status()
         serving = [s.weight_version for s in status.samplers if s.health != pb.SAMPLER_LOST]
         floor = min(serving, default=self.train_step.weight_version)

@@ -47,6 +47,7 @@ def finished_run(tmp_path_factory):
         "--coordinator.ess_threshold=0.99",
         "--coordinator.max_inflight_batches=1",
         "--trainer.lr=2e-3",
+        "--trainer.checkpoint_every=3",  # checkpoints inside the run (steps 3, 6), not only the last step's
     ])
     live: dict = {"prometheus": {}, "redis_client_users": set()}
 
@@ -144,7 +145,8 @@ def test_every_row_says_where_its_time_went(finished_run):
         assert row["sampler_generate_s"] > 0 and row["bus_s"] >= 0
     for before, after in zip(rows, rows[1:], strict=False):
         assert after["time"] - before["time"] == pytest.approx(after["row_wall_s"], abs=0.05)
-    assert any(r.get("stage_checkpoint_s", 0) > 0 for r in rows[1:])  # checkpoint_every = 1: the next row has it
+    # checkpoint_every = 3: the row after a checkpointed step has its checkpoint's seconds, the others none
+    assert [r.get("stage_checkpoint_s", 0) > 0 for r in rows] == [i in (3, 6) for i in range(len(rows))]
 
 
 def test_every_service_exports_prometheus_metrics(finished_run):

@@ -88,6 +88,19 @@ def test_queue_limit_below_what_the_trainer_holds_is_refused_at_start_up():
     assert cfg.bus.max_queue_depth == 160
 
 
+def test_unset_queue_limit_and_sampler_capacity_follow_the_plan():
+    """bus.max_queue_depth: twice what the trainer may hold, at least 4096; sampler.max_inflight_tasks: the
+    coordinator's planned window of tasks."""
+    cfg = load_config(RunConfig, [], [])
+    assert cfg.trainer.checkpoint_every == 10 and cfg.bus.max_queue_depth == 4096
+    assert cfg.sampler.max_inflight_tasks == cfg.coordinator.max_inflight_batches * cfg.coordinator.batch_size
+    big = load_config(RunConfig, [], ["--coordinator.batch_size=64", "--coordinator.group_size=8",
+                                      "--coordinator.max_inflight_batches=3"])
+    assert big.bus.max_queue_depth == 2 * (10 - 1 + 3) * 64 * 8
+    assert big.sampler.max_inflight_tasks == 3 * 64
+    assert load_config(RunConfig, [], ["--sampler.max_inflight_tasks=5"]).sampler.max_inflight_tasks == 5
+
+
 def test_missing_file_and_bad_toml(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(RunConfig, [tmp_path / "nope.toml"])

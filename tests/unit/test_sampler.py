@@ -334,3 +334,16 @@ def test_weight_transfer_has_one_transport_until_nccl_is_built():
     assert SamplerConfig().weight_transfer == "path"
     with pytest.raises(ValueError, match="weight_transfer"):
         SamplerConfig(weight_transfer="nccl")
+
+
+def test_execution_settings_eager_and_one_process_on_cpu_compiled_on_gpu():
+    from sampler_svc.engine import execution_settings
+
+    cpu = execution_settings(SamplerConfig(), on_cpu=True)
+    assert cpu == {"enforce_eager": True, "executor": "uni", "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+    assert execution_settings(SamplerConfig(), on_cpu=False) == {"enforce_eager": False, "executor": None, "env": {}}
+    chosen = SamplerConfig(enforce_eager=False, cpu_executor="mp")
+    assert execution_settings(chosen, on_cpu=True) == {"enforce_eager": False, "executor": "mp", "env": {}}
+    assert execution_settings(SamplerConfig(enforce_eager=True), on_cpu=False)["enforce_eager"] is True
+    with pytest.raises(ValueError, match="cpu_executor"):
+        SamplerConfig(cpu_executor="ray")
