@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlcommon.config import SamplerConfig, SamplingConfig
+from rlcommon.tokenizer import TextTokenizer, load_tokenizer
 from rlcommon.weight_store import load_version
 from sampler_svc.vllm_worker import WORKER_EXTENSION
 
@@ -168,6 +169,7 @@ class SamplerEngine:
         self._gate: _VersionGate | None = None
         self._broken: BaseException | None = None
         self._request_counter = itertools.count()
+        self._tokenizer: TextTokenizer | None = None
         self.vocab_size = 0
         self.topk = 0
 
@@ -184,6 +186,7 @@ class SamplerEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         sampler = self.sampler_cfg
+        self._tokenizer = load_tokenizer(self.model_dir)
         execution = execution_settings(sampler, on_cpu=current_platform.is_cpu())
         os.environ.update(execution["env"])  # read when the engine checks its config (and by its engine core)
         args = AsyncEngineArgs(
@@ -325,6 +328,9 @@ class SamplerEngine:
             logprobs=self.topk,
             seed=seed,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # No text or decoded top-K tokens per step: the sample's text is decoded once, at the end.
+            detokenize=False,
+            flat_logprobs=True,
         )
         assert self._gate is not None, "start() sets the gate"
         request_id = f"gen-{next(self._request_counter)}-{seed}"
@@ -398,7 +404,7 @@ class SamplerEngine:
             sampler_logprobs=sampler_logprobs,
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
-            text=completion.text,
+            text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
             finish_reason=completion.finish_reason,
             weight_version=weight_version,
             seed=seed,

@@ -74,8 +74,12 @@ class FakeCompletion:
     index: int
     token_ids: list[int]
     logprobs: list[dict[int, FakeLogprob]]
-    text: str = "x"
     finish_reason: str = "stop"
+
+
+class FakeTokenizer:
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return "x" * len(ids)
 
 
 def fake_engine(k: int) -> SamplerEngine:
@@ -83,6 +87,7 @@ def fake_engine(k: int) -> SamplerEngine:
         model_dir="/nonexistent", sampler=SamplerConfig(), sampling=SamplingConfig(logprobs_topk=k)
     )
     engine.topk, engine.vocab_size = k, 64
+    engine._tokenizer = FakeTokenizer()
     return engine
 
 
