@@ -25,8 +25,9 @@ SERVICES = {"coordinator": "coordinator", "sampler_svc": "sampler", "trainer_svc
 
 
 def service_of(cmdline: list[str]) -> str | None:
-    """The service a command line runs (`python -m sampler_svc ...` -> "sampler"), or None."""
-    for word in cmdline:
+    """The service a command line runs (`python -m sampler_svc ...` -> "sampler"), or None. redis-server
+    rewrites its title: its command line is one string, "/path/redis-server 127.0.0.1:6379"."""
+    for word in (part for arg in cmdline for part in arg.split()):
         name = os.path.basename(word)
         if name in SERVICES:
             return SERVICES[name]

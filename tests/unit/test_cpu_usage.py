@@ -24,6 +24,7 @@ def test_service_of_names_the_service_a_command_line_runs():
     assert service_of(["/x/python", "-m", "sampler_svc", "--config", "a.toml"]) == "sampler"
     assert service_of(["python", "-m", "coordinator"]) == "coordinator"
     assert service_of(["/usr/bin/redis-server", "127.0.0.1:6379"]) == "redis"
+    assert service_of(["/x/bin/redis-server 127.0.0.1:40755"]) == "redis"  # its rewritten process title
     assert service_of(["python", "-m", "trainer_svc"]) == "trainer"
     assert service_of(["python", "-c", "pass"]) is None
 
