@@ -16,6 +16,8 @@
    separate cores (on shared cores, less); `pipeline.cpu_bound_steps_per_s` = cores / the pipeline's CPU
    seconds per step: the most any overlap can give on these cores, and `cpu_bound_vs_inprocess` that bound
    over the in-process loop (below 1, the pipeline needs less work per step, not more overlap, to win here).
+4. `separate_devices_model`: what these figures predict with the trainer and the samplers on devices of their
+   own (GPUs): `separate_devices` below.
 
 Writes `<out>/pipeline.json` and `<out>/breakdown.png` (stacked bars of seconds per step by stage) and
 prints the JSON (`--json`) or a summary. Progress lines go to stderr.
@@ -64,6 +66,20 @@ def steady_figures(rows: list[dict[str, Any]], *, warmup: int, rollouts_per_step
         "sampler_timings_s": sampler,
         "reward_last": mean(r["reward_mean"] for r in steady[-5:]),
     }
+
+
+def separate_devices(*, sample_s: float, train_s: float, trainer_s: float,
+                     sampler_devices: tuple[int, ...] = (1, 2, 4)) -> dict[str, dict[str, float]]:
+    """A model, not a measurement: the speed-up over the synchronous loop when the trainer has a device of its
+    own and the samplers k others (GPUs), nothing shared. The loop does `sample_s` then `train_s` per step on
+    one device; the pipeline's step takes the longer of its trainer's whole step (`trainer_s`: the step with
+    the old version's forward, the RPCs, the checkpoint share; no waiting) and a batch's sampling spread over
+    k samplers. The sampler side is the loop's HF `generate`: a GPU engine that batches better only helps."""
+    out = {}
+    for k in sampler_devices:
+        step = max(trainer_s, sample_s / k)
+        out[f"1_trainer_{k}_sampler_devices"] = {"step_s": step, "vs_inprocess": (sample_s + train_s) / step}
+    return out
 
 
 def run_pipeline(cfg: RunConfig, *, steps: int, warmup: int) -> dict[str, Any]:
@@ -167,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         best = result["inprocess"]["best"]["steps_per_s"]
         result["pipeline_vs_inprocess"] = result["pipeline"]["steps_per_s"] / best
         result["cpu_bound_vs_inprocess"] = result["pipeline"]["cpu_bound_steps_per_s"] / best
+        stages = result["pipeline"]["trainer_stages_s"]
+        loop = result["inprocess"]["best"]
+        result["separate_devices_model"] = separate_devices(
+            sample_s=loop["sample_s"], train_s=loop["train_s"],
+            trainer_s=sum(v for k, v in stages.items() if k != "wait"))
     out.mkdir(parents=True, exist_ok=True)
     result["plot"] = str(plot_breakdown(result, out / "breakdown.png"))
     (out / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -68,3 +68,12 @@ def test_inprocess_rollouts_carry_the_models_own_processed_logprobs():
     assert torch.allclose(trainer.logp[mask], batch.sampler_logprobs[mask], atol=1e-4)
     top = batch.topk_logprobs.isfinite() & mask[..., None]
     assert torch.allclose(trainer.logp_topk[top], batch.topk_logprobs[top], atol=1e-4)
+
+
+def test_separate_devices_model_takes_the_longer_of_trainer_and_spread_sampling():
+    from benchmarks.pipeline import separate_devices
+
+    model = separate_devices(sample_s=0.3, train_s=0.1, trainer_s=0.12, sampler_devices=(1, 2, 4))
+    assert model["1_trainer_1_sampler_devices"] == {"step_s": 0.3, "vs_inprocess": pytest.approx(0.4 / 0.3)}
+    assert model["1_trainer_2_sampler_devices"]["step_s"] == pytest.approx(0.15)
+    assert model["1_trainer_4_sampler_devices"] == {"step_s": 0.12, "vs_inprocess": pytest.approx(0.4 / 0.12)}
