@@ -68,13 +68,19 @@ def steady_figures(rows: list[dict[str, Any]], *, warmup: int, rollouts_per_step
     }
 
 
-def separate_devices(*, sample_s: float, train_s: float, trainer_s: float,
+VERSION_FORWARD_SHARE = 1 / 3
+"""A stale batch's extra no-grad forward at its weight version, relative to a forward + backward step."""
+
+
+def separate_devices(*, sample_s: float, train_s: float, trainer_overhead_s: float,
                      sampler_devices: tuple[int, ...] = (1, 2, 4)) -> dict[str, dict[str, float]]:
     """A model, not a measurement: the speed-up over the synchronous loop when the trainer has a device of its
     own and the samplers k others (GPUs), nothing shared. The loop does `sample_s` then `train_s` per step on
-    one device; the pipeline's step takes the longer of its trainer's whole step (`trainer_s`: the step with
-    the old version's forward, the RPCs, the checkpoint share; no waiting) and a batch's sampling spread over
-    k samplers. The sampler side is the loop's HF `generate`: a GPU engine that batches better only helps."""
+    one device. The pipeline's step takes the longer of the trainer's whole step (`train_s`, plus the stale
+    version's forward, `VERSION_FORWARD_SHARE` of it, plus `trainer_overhead_s`: the RPCs, the checkpoint share
+    and the rest the pipeline measured besides the step and the wait) and a batch's sampling spread over k
+    samplers. The sampler side is the loop's HF `generate`: a GPU engine that batches better only helps."""
+    trainer_s = train_s * (1 + VERSION_FORWARD_SHARE) + trainer_overhead_s
     out = {}
     for k in sampler_devices:
         step = max(trainer_s, sample_s / k)
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = result["inprocess"]["best"]
         result["separate_devices_model"] = separate_devices(
             sample_s=loop["sample_s"], train_s=loop["train_s"],
-            trainer_s=sum(v for k, v in stages.items() if k != "wait"))
+            trainer_overhead_s=sum(v for k, v in stages.items() if k not in ("wait", "train")))
     out.mkdir(parents=True, exist_ok=True)
     result["plot"] = str(plot_breakdown(result, out / "breakdown.png"))
     (out / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")

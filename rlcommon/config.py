@@ -228,6 +228,8 @@ class TrainerConfig(StrictModel):
     """Torch seed."""
     device: str = "cpu"
     """Torch device."""
+    threads: int | None = Field(None, ge=1)
+    """Torch threads of each rank on CPU. None: the cores this process may use, shared among its ranks."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute precision of the trainer's forwards and backward (`bfloat16`: torch autocast). The weights,
     gradients, AdamW state and kept snapshots stay float32 (master weights) and the log-softmax is float32."""

@@ -14,6 +14,10 @@ import os
 import signal
 import sys
 
+# Torch's OpenMP threads sleep when a parallel region ends instead of spinning (read when torch loads, so
+# before any import of it): a trainer sharing cores with a sampler must not burn them between small ops.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from rlcommon.config import ConfigError, RunConfig
 from rlcommon.entrypoint import EXIT_OK, on_stop_signals, run_service
 from rlcommon.logs import setup_logging

@@ -68,6 +68,14 @@ class BatchBuffer:
     """Wall-clock time each slot's rollout arrived (its bus latency: `trainer_svc/stages.py`)."""
 
 
+def cpu_threads(configured: int | None, *, ranks: int, cores: int | None = None) -> int:
+    """Torch threads per rank: `configured`, else this process's cores (`cores`, default its CPU affinity)
+    shared among `ranks`."""
+    if configured is not None:
+        return configured
+    return max(1, (cores if cores is not None else len(os.sched_getaffinity(0))) // ranks)
+
+
 def build_train_step(cfg: RunConfig, parallel: DataParallel | None) -> tuple[TrainStep, Path, Path | None, dict]:
     """The TrainStep of this run (sharded over `parallel`'s ranks when given), resumed from the latest checkpoint
     if there is one: (train_step, model folder, checkpoint or None, its trainer_state). Every rank calls it (the
@@ -75,7 +83,7 @@ def build_train_step(cfg: RunConfig, parallel: DataParallel | None) -> tuple[Tra
     torch.manual_seed(cfg.trainer.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     if cfg.trainer.device == "cpu":
-        torch.set_num_threads(max(1, int(os.environ.get("DLC_TRAINER_THREADS", "1"))))
+        torch.set_num_threads(cpu_threads(cfg.trainer.threads, ranks=parallel.world if parallel is not None else 1))
     model_dir = resolve_model(cfg.model, cfg.task)
     from transformers import AutoModelForCausalLM
 

@@ -136,3 +136,15 @@ def test_bad_env_value_is_named(monkeypatch):
     monkeypatch.setenv("DLC_TRAINER__METHOD", "adam")
     with pytest.raises(ConfigError, match="'trainer.method'"):
         load_config(RunConfig, [], use_env=True)
+
+
+def test_trainer_threads_default_to_the_cores_shared_among_ranks():
+    from trainer_svc.service import cpu_threads
+
+    assert cpu_threads(None, ranks=1, cores=8) == 8
+    assert cpu_threads(None, ranks=2, cores=8) == 4
+    assert cpu_threads(None, ranks=4, cores=2) == 1  # never 0
+    assert cpu_threads(3, ranks=2, cores=8) == 3
+    assert cpu_threads(None, ranks=1) >= 1  # this process's own affinity
+    with pytest.raises(ConfigError, match="trainer.threads"):
+        load_config(RunConfig, [], ["--trainer.threads=0"])

@@ -73,7 +73,9 @@ def test_inprocess_rollouts_carry_the_models_own_processed_logprobs():
 def test_separate_devices_model_takes_the_longer_of_trainer_and_spread_sampling():
     from benchmarks.pipeline import separate_devices
 
-    model = separate_devices(sample_s=0.3, train_s=0.1, trainer_s=0.12, sampler_devices=(1, 2, 4))
-    assert model["1_trainer_1_sampler_devices"] == {"step_s": 0.3, "vs_inprocess": pytest.approx(0.4 / 0.3)}
+    # trainer: 0.09 x 4/3 (the stale version's forward) + 0.03 = 0.15 s
+    model = separate_devices(sample_s=0.3, train_s=0.09, trainer_overhead_s=0.03, sampler_devices=(1, 2, 4))
+    assert model["1_trainer_1_sampler_devices"] == {"step_s": 0.3, "vs_inprocess": pytest.approx(0.39 / 0.3)}
     assert model["1_trainer_2_sampler_devices"]["step_s"] == pytest.approx(0.15)
-    assert model["1_trainer_4_sampler_devices"] == {"step_s": 0.12, "vs_inprocess": pytest.approx(0.4 / 0.12)}
+    assert model["1_trainer_4_sampler_devices"]["step_s"] == pytest.approx(0.15)
+    assert model["1_trainer_4_sampler_devices"]["vs_inprocess"] == pytest.approx(0.39 / 0.15)
