@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
+	tests/install_browser.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The compose stack on a real Docker engine (as root): docker/engine.sh installs and starts the engine and the

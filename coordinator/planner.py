@@ -409,8 +409,8 @@ class BatchPlanner:
         return tasks
 
 
-def encoder_for(model_cfg: Any, task_cfg: Any) -> Callable[[str], Sequence[int]]:
-    """The prompt tokenizer's `encode` for `model.name_or_path`, without torch.
+def tokenizer_for(model_cfg: Any, task_cfg: Any) -> Any:
+    """The prompt tokenizer of `model.name_or_path` (its `encode` and `decode`), without torch.
 
     A builder preset uses the tokenizer the preset is built with (the model itself need not exist yet);
     a local folder or a hub snapshot is read with `rlcommon.tokenizer.load_tokenizer`.
@@ -424,8 +424,13 @@ def encoder_for(model_cfg: Any, task_cfg: Any) -> Callable[[str], Sequence[int]]
     except ValueError as err:
         raise PlanError(str(err)) from None
     if source == "preset":
-        return preset_tokenizer(model_cfg.name_or_path).encode
+        return preset_tokenizer(model_cfg.name_or_path)
     try:
-        return load_tokenizer(resolve_model(model_cfg, task_cfg)).encode
+        return load_tokenizer(resolve_model(model_cfg, task_cfg))
     except ValueError as err:
         raise PlanError(f"cannot load the prompt tokenizer: {err}") from None
+
+
+def encoder_for(model_cfg: Any, task_cfg: Any) -> Callable[[str], Sequence[int]]:
+    """The prompt tokenizer's `encode` (`tokenizer_for`)."""
+    return tokenizer_for(model_cfg, task_cfg).encode

@@ -37,6 +37,7 @@ class SamplerRecord:
     unhealthy_reason: str = ""
     num_inflight_tasks: int = 0
     num_rollouts: int = 0
+    num_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,13 +117,15 @@ class SamplerRegistry:
         return record
 
     def heartbeat(
-        self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int, num_rollouts: int
+        self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int, num_rollouts: int,
+        num_tokens: int = 0,
     ) -> SamplerRecord:
         record = self._records[sampler_id]
         record.last_heartbeat_at = self.clock()
         record.weight_version = weight_version
         record.num_inflight_tasks = num_inflight_tasks
         record.num_rollouts = num_rollouts
+        record.num_tokens = num_tokens
         if sampler_id in self._reported_lost:
             self._reported_lost.discard(sampler_id)
             logger.info("sampler %s is back (heartbeat)", sampler_id)

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import auth, convert
+from coordinator.dashboard import DashboardServer
 from coordinator.service import Coordinator, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound
 from coordinator.syncs import WeightBroadcaster
 from protos import coordinator_pb2 as pb
@@ -152,6 +153,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             weight_version=request.weight_version,
             num_inflight_tasks=request.num_inflight_tasks,
             num_rollouts=request.num_rollouts,
+            num_tokens=request.num_tokens,
         )
         return pb.HeartbeatResponse(published_version=published, health=convert.HEALTH_TO_PB[health_name])
 
@@ -311,6 +313,8 @@ class CoordinatorServer:
         self._health = health.aio.HealthServicer()
         self._broadcaster = WeightBroadcaster()
         self._ticker: asyncio.Task | None = None
+        self.dashboard: DashboardServer | None = None
+        """The run dashboard, when coordinator.dashboard_port is set (its `port` once started)."""
 
     @property
     def address(self) -> str:
@@ -349,6 +353,12 @@ class CoordinatorServer:
             self._worker.close()
             self._worker = None
             raise
+        if ccfg.dashboard_port is not None:
+            try:
+                self.dashboard = self._start_dashboard()
+            except BaseException:
+                await self.stop()
+                raise
         latest = self.coordinator.latest_update
         if latest is not None:
             await self._broadcaster.publish(latest)
@@ -362,6 +372,28 @@ class CoordinatorServer:
             "TLS" if ccfg.tls_cert else "plaintext",
             "token required" if ccfg.auth_token else "no token",
         )
+
+    def _start_dashboard(self) -> DashboardServer:
+        from coordinator.dashboard_data import DashboardData
+        from coordinator.planner import tokenizer_for
+        from rlcommon.bus import RedisConnection
+
+        cfg, worker = self.cfg, self._worker
+        assert worker is not None
+        data = DashboardData(
+            core=self.coordinator,
+            on_coordinator=lambda fn: worker.submit(fn).result(timeout=30),
+            conn=RedisConnection.from_config(cfg.redis, url=self.coordinator.redis_url),
+            tokenizer=tokenizer_for(cfg.model, cfg.task),
+        )
+        dashboard = DashboardServer(data, host=self.host, port=cfg.coordinator.dashboard_port,
+                                    token=cfg.coordinator.auth_token, tls_cert=cfg.coordinator.tls_cert,
+                                    tls_key=cfg.coordinator.tls_key)
+        port = dashboard.start()
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+        logger.info("dashboard on %s://%s:%d/%s", "https" if cfg.coordinator.tls_cert else "http", host, port,
+                    " (its API needs the coordinator's token)" if cfg.coordinator.auth_token else "")
+        return dashboard
 
     async def _start_grpc(self, token: str | None, tls_cert: str | None, tls_key: str | None) -> None:
         interceptors = [auth.TokenAuthInterceptor(token, STATE_CHANGING_METHODS)] if token else []
@@ -445,6 +477,9 @@ class CoordinatorServer:
                 pass
             self._ticker = None
         await self._broadcaster.close()
+        if self.dashboard is not None:
+            self.dashboard.stop()
+            self.dashboard = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None

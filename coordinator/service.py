@@ -395,6 +395,11 @@ class Coordinator:
     # ------------------------------------------------------------------------------------- versions
 
     @property
+    def redis_url(self) -> str:
+        """The URL (with this coordinator's credentials) of the Redis its state and streams live in."""
+        return self._conn.url
+
+    @property
     def published_version(self) -> int:
         return self._published.weight_version if self._published is not None else 0
 
@@ -465,18 +470,21 @@ class Coordinator:
         return self.published_version, sync_complete
 
     def heartbeat(
-        self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int = 0, num_rollouts: int = 0
+        self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int = 0, num_rollouts: int = 0,
+        num_tokens: int = 0,
     ) -> tuple[int, str]:
         """Returns (published version, health)."""
         self._require_sampler(sampler_id)
         _non_negative("weight_version", weight_version)
         _non_negative("num_inflight_tasks", num_inflight_tasks)
         _non_negative("num_rollouts", num_rollouts)
+        _non_negative("num_tokens", num_tokens)
         record = self.samplers.heartbeat(
             sampler_id,
             weight_version=weight_version,
             num_inflight_tasks=num_inflight_tasks,
             num_rollouts=num_rollouts,
+            num_tokens=num_tokens,
         )
         return self.published_version, self.samplers.health(record)[0]
 
@@ -610,6 +618,8 @@ class Coordinator:
             last_step=self._last_step.__dict__,
             pending_publish=self._pending_publish,
         )
+        self.store.append_step({**clean_stats, "step": step, "batch_id": batch_id, "weight_version": weight_version,
+                                "publish": decision.publish, "reason": decision.reason, "time": now})
         logger.info("step %d (batch %d): publish=%s (%s)", step, batch_id, decision.publish, decision.reason)
         self._plan_ahead()
         return StepAnswer(decision, self.published_version + 1, self.ledger.counts(self.ccfg.total_batches))

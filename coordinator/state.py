@@ -10,6 +10,7 @@ Keys, all under `dlc:<run_id>:coord:` (values are JSON):
 | `samplers` | hash | sampler id -> `samplers.SamplerRecord` |
 | `syncs` | hash | sync id -> `syncs.SyncRecord` |
 | `manual_triggers` | list | reasons of manual syncs not yet answered |
+| `steps` | list | one JSON row per reported step (its statistics, batch, version, sync answer, time): the dashboard's series |
 | `lock` | string | owner of the run (one coordinator per run), with a TTL renewed while it runs |
 
 Every write goes through `RedisConnection.call` (retries with backoff while Redis reconnects).
@@ -115,6 +116,17 @@ class CoordinatorStore:
 
     def save_sync(self, record: SyncRecord) -> None:
         self._save_field("syncs", record.sync_id, record.to_dict())
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def append_step(self, row: dict[str, Any]) -> None:
+        data = json.dumps(row)  # NaN and inf are kept (as JSON's NaN/Infinity extension): a reader cleans them
+        self._call(lambda r: r.rpush(self.key("steps"), data))
+
+    def step_rows(self, start: int, limit: int) -> list[dict[str, Any]]:
+        """Rows `start` .. `start + limit - 1` of the step series (fewer at its end)."""
+        raw = self._call(lambda r: r.lrange(self.key("steps"), start, start + limit - 1))
+        return [json.loads(v) for v in raw]
 
     # ------------------------------------------------------------------------------------ manual syncs
 

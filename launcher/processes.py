@@ -67,11 +67,13 @@ def service_specs(
     model_dir: str,
     coordinator_port: int,
     redis_urls: dict[str, str] | None = None,
+    dashboard_port: int | None = None,
 ) -> list[ServiceSpec]:
     """The coordinator, the samplers and the trainer, with the variables docker-compose.yml sets.
 
     redis_urls: each service's own URL by Redis user (`coordinator`, `sampler`, `trainer`: the embedded
-    server's `url_for`, rlcommon/redis_acl.py); a service without one gets redis_url."""
+    server's `url_for`, rlcommon/redis_acl.py); a service without one gets redis_url. dashboard_port: the
+    coordinator's dashboard (None: off)."""
     common = {
         "DLC_REDIS__URL": redis_url,
         "DLC_RUN_DIR": str(Path(cfg.run_dir).resolve()),
@@ -83,7 +85,9 @@ def service_specs(
         "DLC_COORDINATOR__AUTH_TOKEN": cfg.coordinator.auth_token or "",
     }
     client = {"DLC_COORDINATOR__ADDRESS": f"127.0.0.1:{coordinator_port}", **placement_env(cfg)}
-    specs = [ServiceSpec("coordinator", "coordinator", config_path, {**common, "DLC_COORDINATOR__METRICS_PORT": "0"})]
+    coordinator_env = {**common, "DLC_COORDINATOR__METRICS_PORT": "0",
+                       "DLC_COORDINATOR__DASHBOARD_PORT": "none" if dashboard_port is None else str(dashboard_port)}
+    specs = [ServiceSpec("coordinator", "coordinator", config_path, coordinator_env)]
     for index in range(cfg.num_samplers):
         specs.append(
             ServiceSpec(

@@ -170,6 +170,7 @@ def run(
     progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar)
     try:
         stack.start()
+        progress.write(f"dashboard: {stack.dashboard_url}")
         while True:
             rows = progress.update()
             if on_progress is not None:

@@ -42,6 +42,11 @@ class LocalStack:
         self.redis_url = cfg.redis.url
         self.port = cfg.coordinator.port if cfg.coordinator.port not in (0, 50051) else free_port()
         self.address = f"127.0.0.1:{self.port}"
+        configured = cfg.coordinator.dashboard_port
+        self.dashboard_port = configured if configured not in (None, 0) else free_port()
+        """The coordinator's dashboard (coordinator/dashboard.py): always on in a local stack."""
+        token = f"?token={cfg.coordinator.auth_token}" if cfg.coordinator.auth_token else ""
+        self.dashboard_url = f"{'https' if cfg.coordinator.tls_cert else 'http'}://127.0.0.1:{self.dashboard_port}/{token}"
         self.client = CoordinatorClient.from_config(cfg.coordinator, address=self.address)
         """The launcher's own client of the coordinator (health, summary); tests use it too."""
         self.specs: dict[str, ServiceSpec] = {}
@@ -68,7 +73,8 @@ class LocalStack:
             self.redis_url = self.redis_server.url  # admin: the launcher's and the tests' own reads
             redis_urls = {user: self.redis_server.url_for(user) for user in SERVICE_USERS}
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
-                              model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls)
+                              model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls,
+                              dashboard_port=self.dashboard_port)
         self.specs = {spec.name: spec for spec in specs}
         # Every service starts at once: a sampler's engine (the longest start) need not wait for the coordinator,
         # and the clients wait for it to serve (gRPC wait-for-ready); the consumer groups read from the streams'

@@ -276,16 +276,18 @@ class AckWeightVersionResponse(_message.Message):
     def __init__(self, published_version: _Optional[int] = ..., sync_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("sampler_id", "weight_version", "num_inflight_tasks", "num_rollouts")
+    __slots__ = ("sampler_id", "weight_version", "num_inflight_tasks", "num_rollouts", "num_tokens")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_TASKS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     weight_version: int
     num_inflight_tasks: int
     num_rollouts: int
-    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., num_inflight_tasks: _Optional[int] = ..., num_rollouts: _Optional[int] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., num_inflight_tasks: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("published_version", "health")

@@ -3,7 +3,7 @@
 | user | keys | may write |
 |---|---|---|
 | `sampler` | tasks, rollouts, deadletter (and their `:counts`) | XADD rollouts and dead letters; XACK/XCLAIM tasks; XTRIM acked rollouts |
-| `trainer` | rollouts, deadletter (and their `:counts`) | XACK/XCLAIM rollouts; XADD dead letters |
+| `trainer` | rollouts, deadletter (and their `:counts`), tokens | XACK/XCLAIM rollouts; XADD dead letters; XADD tokens (dashboard) |
 | `coordinator` | every key of the run, `dlc:<run_id>:*` | its state (`coord:*`); XADD/XTRIM tasks |
 | `admin` | every key | everything (operators, the launcher, the tests); only the embedded server has it |
 
@@ -57,9 +57,10 @@ def acl_rules(user: str, run_id: str) -> list[str]:
         keys = _stream_keys(run_id, "tasks", "rollouts", "deadletter")
         commands = [*_CONSUMER, *_DEPTH, f"+xack|{tasks}", f"+xclaim|{tasks}", f"+xadd|{rollouts}",
                     f"+xadd|{deadletter}", f"+xtrim|{rollouts}"]
-    elif user == "trainer":  # consumes rollouts
-        keys = _stream_keys(run_id, "rollouts", "deadletter")
-        commands = [*_CONSUMER, f"+xack|{rollouts}", f"+xclaim|{rollouts}", f"+xadd|{deadletter}"]
+    elif user == "trainer":  # consumes rollouts; keeps the last batches' per-token statistics (dashboard)
+        tokens = stream_key(run_id, "tokens")
+        keys = [*_stream_keys(run_id, "rollouts", "deadletter"), f"~{tokens}"]
+        commands = [*_CONSUMER, f"+xack|{rollouts}", f"+xclaim|{rollouts}", f"+xadd|{deadletter}", f"+xadd|{tokens}"]
     elif user == "coordinator":  # its state (coordinator/state.py), produces tasks, reads the queue depths
         keys = [f"~dlc:{run_id}:*"]
         commands = [*_DEPTH, "+ping", "+get", "+set", "+del", "+pexpire", "+pttl", "+hdel", "+hincrby",

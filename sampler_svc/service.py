@@ -198,7 +198,7 @@ class SamplerService:
         while not self.stopping.is_set():
             request = pb.HeartbeatRequest(
                 sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
-                num_inflight_tasks=len(self.inflight), num_rollouts=self.num_rollouts,
+                num_inflight_tasks=len(self.inflight), num_rollouts=self.num_rollouts, num_tokens=self.num_tokens,
             )
             try:
                 await self.coordinator.call("Heartbeat", request, timeout_s=10, retry=False)

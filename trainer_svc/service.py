@@ -31,12 +31,13 @@ import grpc
 import torch
 
 from protos import coordinator_pb2 as pb
-from rlcommon.bus import Delivery, RedisConnection, StreamConsumer
+from rlcommon.bus import DATA_FIELD, Delivery, RedisConnection, StreamConsumer, stream_key
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import resolve_model
 from rlcommon.plan_ids import slot_rollout_id
 from rlcommon.rpc import CoordinatorClient
+from rlcommon.token_stats import encode_token_stats
 from rlcommon.tokenizer import load_tokenizer
 from rlcommon.weight_store import (
     PublishedVersion,
@@ -334,6 +335,7 @@ class TrainerService:
         # The row before the checkpoint that covers its step: a crash after the checkpoint must not lose it (a
         # crash before it replays the step, and metrics.jsonl is cut back to the checkpoint on resume).
         self.metrics.log(step, record)
+        self.keep_token_stats(batch_id, step, slots, rollouts, result)
         logger.info(
             "step %d batch %d reward %.3f ess_lag %.3f version %d%s",
             step, batch_id, result.metrics.get("reward_mean", float("nan")), result.metrics.get("ess_lag", float("nan")),
@@ -344,6 +346,21 @@ class TrainerService:
                 self.checkpoint()
         with self.stages.stage("release"):
             self.release_old_versions()
+
+    def keep_token_stats(self, batch_id: int, step: int, slots: list[tuple[int, int]], rollouts: list[Rollout],
+                         result: Any) -> None:
+        """The batch's per-token log-ratios for the dashboard (rlcommon/token_stats.py), the last
+        `trainer.dashboard_token_batches` kept. Best effort: a failure is logged, the run goes on."""
+        keep = self.cfg.trainer.dashboard_token_batches
+        if not keep or result.token_logratios is None:
+            return
+        data = encode_token_stats(batch_id=batch_id, step=step, slots=slots, lag=result.token_logratios["lag"],
+                                  num=result.token_logratios["num"], lengths=[len(r.response_ids) for r in rollouts])
+        key = stream_key(self.cfg.bus.run_id, "tokens")
+        try:
+            self.conn.call(lambda r: r.xadd(key, {DATA_FIELD: data}, maxlen=keep, approximate=False))
+        except Exception as err:
+            logger.warning("per-token statistics of batch %d not kept for the dashboard: %s", batch_id, err)
 
     def publish(self, weight_version: int, *, step: int, reason: str) -> int:
         folder = version_folder(self.cfg.publish_dir, weight_version)

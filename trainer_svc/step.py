@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -63,6 +64,9 @@ class StepResult:
     skipped: bool
     """True when the batch was not trained on (non-finite loss or gradient)."""
     skip_reason: str | None = None
+    token_logratios: dict[str, np.ndarray] | None = None
+    """Per response token of each row ([rows, T], float32; padding past a row's length): `lag` = log pi_theta -
+    log pi_v (before the step), `num` = log pi_v - log mu (what the dashboard colours tokens by)."""
 
 
 class TrainStep:
@@ -155,6 +159,11 @@ class TrainStep:
             with self._autocast():
                 version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
         loss, loss_metrics = self._loss(batch, current, version)
+        with torch.no_grad():
+            token_logratios = {
+                "lag": (current.logp.detach() - version.logp).float().cpu().numpy(),
+                "num": (version.logp - batch.sampler_logprobs).float().cpu().numpy(),
+            }
 
         skip_reason = None
         grad_norm = math.nan
@@ -205,7 +214,8 @@ class TrainStep:
         }
         self.step += 1
         metrics["step_time_s"] = time.perf_counter() - start
-        return StepResult(metrics=metrics, skipped=skip_reason is not None, skip_reason=skip_reason)
+        return StepResult(metrics=metrics, skipped=skip_reason is not None, skip_reason=skip_reason,
+                          token_logratios=token_logratios)
 
     def _autocast(self) -> torch.autocast:
         """bf16 compute of `trainer.dtype = "bfloat16"` (a no-op context for float32)."""

@@ -18,6 +18,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -60,6 +62,7 @@ class Stack:
             "DLC_COORDINATOR_PORT": str(self.port),
             "DLC_COORDINATOR_METRICS_PORT": str(_free_port()),
             "DLC_TRAINER_METRICS_PORT": str(_free_port()),
+            "DLC_DASHBOARD_PORT": str(_free_port()),
             "DLC_STEPS": str(FIRST_STEPS),
         }
 
@@ -201,6 +204,24 @@ def test_dlcctl_from_the_host_agrees_with_the_trainer(stack):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 1 and "UNAUTHENTICATED" in proc.stderr + proc.stdout
+
+
+def test_the_dashboard_answers_on_this_host_with_the_token(stack):
+    """Published on 127.0.0.1 only; its API answers with the token and refuses without; what it shows is the
+    ledger's."""
+    base = f"http://127.0.0.1:{stack.env['DLC_DASHBOARD_PORT']}"
+    with urllib.request.urlopen(f"{base}/", timeout=30) as reply:
+        assert b"uPlot" in reply.read()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{base}/api/overview", timeout=30)
+    assert refused.value.code == 401
+    request = urllib.request.Request(f"{base}/api/overview", headers={"Authorization": f"Bearer {stack.env['DLC_TOKEN']}"})
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        overview = json.loads(reply.read())
+    status = stack.dlcctl("status")
+    assert overview["run_id"] == RUN_ID
+    assert overview["counts"]["trained"] >= 10 and len(overview["steps"]["rows"]) >= overview["counts"]["trained"]
+    assert {s["sampler_id"] for s in overview["samplers"]} == {s["sampler_id"] for s in status["samplers"]}
 
 
 def test_prometheus_endpoints_answer_inside_the_network(stack):

@@ -230,3 +230,15 @@ def test_nobody_can_log_in_as_the_default_user(server):
         with pytest.raises(redis.AuthenticationError):
             anonymous.execute_command("AUTH", "default", password)
     anonymous.close()
+
+
+def test_the_trainer_keeps_token_statistics_the_coordinator_reads_and_the_sampler_cannot_write(connect):
+    """The dashboard's per-token statistics (rlcommon/token_stats.py): the trainer's XADD with an exact
+    MAXLEN (what TrainerService.keep_token_stats sends), the coordinator's XREVRANGE, nobody else's XADD."""
+    tokens = stream_key(RUN, "tokens")
+    trainer, coordinator, sampler = connect("trainer"), connect("coordinator"), connect("sampler")
+    for i in range(3):
+        trainer.call(lambda r, i=i: r.xadd(tokens, {b"d": f"batch {i}".encode()}, maxlen=2, approximate=False))
+    assert [f[b"d"] for _, f in coordinator.call(lambda r: r.xrevrange(tokens, count=10))] == [b"batch 2", b"batch 1"]
+    refused(sampler, "XADD", tokens, "*", "d", "x")
+    refused(trainer, "XADD", TASKS, "*", "d", "x")

@@ -1,0 +1,262 @@
+// The run dashboard: polls the coordinator's read-only JSON API (coordinator/dashboard.py) and draws it.
+// Charts: uPlot (static/vendor, pinned). A token given as ?token=... is sent as a Bearer header.
+"use strict";
+
+const POLL_MS = 2000;
+const token = new URLSearchParams(location.search).get("token");
+const state = { rows: [], charts: {}, syncSteps: [], essThreshold: null, lastSamplers: {}, lastPoll: null,
+                batchLoaded: null };
+
+async function api(path) {
+  const headers = token ? { Authorization: `Bearer ${token}` } : {};
+  const reply = await fetch(`api/${path}`, { headers, cache: "no-store" });
+  if (!reply.ok) throw new Error(`${path}: HTTP ${reply.status} ${await reply.text()}`);
+  return reply.json();
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k === "style") node.style.cssText = v;
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  return node;
+}
+
+function fmt(value, digits = 3) {
+  if (value === null || value === undefined || Number.isNaN(value)) return "–";
+  if (typeof value !== "number") return String(value);
+  return Number.isInteger(value) ? String(value) : value.toFixed(digits);
+}
+
+// ---------------------------------------------------------------------------------------------- charts
+
+// Each chart: series names (keys of a step row, or a function of the rows) and colours.
+const CHARTS = {
+  "chart-reward": [["reward_mean", "#2563eb"]],
+  "chart-ess": [["ess_lag", "#dc2626"], ["ess_full", "#7c3aed"], ["threshold", "#999"]],
+  "chart-delta": [["delta_num_mean", "#0891b2"], ["delta_lag_mean", "#ea580c"], ["delta_mean", "#65a30d"]],
+  "chart-staleness": [["staleness_mean", "#2563eb"], ["staleness_max", "#dc2626"]],
+  "chart-step-time": [["step_time_s", "#0f766e"]],
+  "chart-tokens": [["tokens_per_s", "#9333ea"]],
+};
+
+function seriesValue(name, row, index) {
+  if (name === "threshold") return state.essThreshold;
+  if (name === "tokens_per_s") {
+    const before = state.rows[index - 1];
+    if (!before || row.tokens === undefined || !(row.time > before.time)) return null;
+    return row.tokens / (row.time - before.time);
+  }
+  const value = row[name];
+  return value === undefined || value === null || Number.isNaN(value) ? null : value;
+}
+
+// Vertical dashed lines at the steps where a sync happened (drawn on the ESS chart).
+function syncMarkers() {
+  return {
+    hooks: {
+      draw: [(u) => {
+        const { ctx } = u;
+        ctx.save();
+        ctx.strokeStyle = "#16a34a";
+        ctx.setLineDash([4, 3]);
+        for (const step of state.syncSteps) {
+          const x = u.valToPos(step, "x", true);
+          if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+          ctx.beginPath();
+          ctx.moveTo(x, u.bbox.top);
+          ctx.lineTo(x, u.bbox.top + u.bbox.height);
+          ctx.stroke();
+        }
+        ctx.restore();
+      }],
+    },
+  };
+}
+
+function chartData(names) {
+  const steps = state.rows.map((r) => r.step);
+  return [steps, ...names.map(([name]) => state.rows.map((row, i) => seriesValue(name, row, i)))];
+}
+
+function drawCharts() {
+  for (const [id, names] of Object.entries(CHARTS)) {
+    const data = chartData(names);
+    if (state.charts[id]) {
+      state.charts[id].setData(data);
+      continue;
+    }
+    const box = document.getElementById(id);
+    const opts = {
+      width: Math.max(380, box.clientWidth - 12),
+      height: 190,
+      scales: { x: { time: false } },
+      series: [{ label: "step" }, ...names.map(([name, stroke]) => ({
+        label: name, stroke, width: name === "threshold" ? 1 : 1.5, dash: name === "threshold" ? [5, 5] : undefined,
+        spanGaps: true,
+      }))],
+      axes: [{ label: "step" }, {}],
+      plugins: id === "chart-ess" ? [syncMarkers()] : [],
+    };
+    state.charts[id] = new uPlot(opts, data, box);
+    box.dataset.ready = "1";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- tables
+
+function fillTable(id, rows) {
+  const body = document.querySelector(`#${id} tbody`);
+  body.replaceChildren(...rows);
+}
+
+function drawHeadline(o) {
+  document.getElementById("run-id").textContent = `· run ${o.run_id}`;
+  const last = state.rows[state.rows.length - 1];
+  const headline = document.getElementById("headline");
+  headline.replaceChildren(
+    el("span", {}, `${o.sync_policy_detail} · published v`, el("b", { id: "published-version" }, o.published_version),
+       " · trainer v", el("b", { id: "trainer-version" }, o.trainer_version), " · last step ",
+       el("b", { id: "last-step", "data-value": last ? last.step : "" }, last ? last.step : "–"),
+       " · reward ", el("b", { id: "last-reward", "data-value": last ? last.reward_mean : "" }, fmt(last && last.reward_mean, 4)),
+       " · ess_lag ", el("b", { id: "last-ess-lag", "data-value": last ? last.ess_lag : "" }, fmt(last && last.ess_lag, 4))),
+  );
+}
+
+function drawPlan(o) {
+  const c = o.counts;
+  const rows = [
+    ["batches planned (being sampled)", c.planned, "count-planned"],
+    ["batches complete (waiting to train)", c.complete, "count-complete"],
+    ["batches trained", c.trained, "count-trained"],
+    ["batches in the plan so far", c.total, "count-total"],
+    ["run length (batches)", c.limit || "unbounded", "count-limit"],
+    ["tasks queue depth", o.queue.tasks, "queue-tasks"],
+    ["rollouts queue depth", o.queue.rollouts, "queue-rollouts"],
+    ["slots re-issued (stalled batches)", o.slots_reissued, "slots-reissued"],
+    ["dead letters", o.deadletters.length, "deadletter-length"],
+  ];
+  document.getElementById("plan").replaceChildren(
+    ...rows.map(([k, v, id]) => el("tr", {}, el("td", {}, k), el("td", { id, "data-value": v }, fmt(v)))));
+}
+
+function drawSamplers(o) {
+  const now = o.now;
+  const seconds = state.lastPoll ? now - state.lastPoll : null;
+  const rows = o.samplers.map((s) => {
+    const before = state.lastSamplers[s.sampler_id];
+    const rate = (key) => (before && seconds > 0 ? (s[key] - before[key]) / seconds : null);
+    return el("tr", { "data-sampler": s.sampler_id },
+      el("td", {}, s.sampler_id), el("td", {}, s.weight_version),
+      el("td", { class: `health-${s.health}`, title: s.health_detail }, s.health),
+      el("td", {}, s.num_inflight_tasks), el("td", {}, fmt(rate("num_rollouts"), 1)),
+      el("td", {}, fmt(rate("num_tokens"), 0)), el("td", {}, `${fmt(now - s.last_heartbeat_at, 1)} s ago`));
+  });
+  state.lastSamplers = Object.fromEntries(o.samplers.map((s) => [s.sampler_id, s]));
+  state.lastPoll = now;
+  fillTable("samplers", rows);
+}
+
+function drawSyncs(o) {
+  fillTable("syncs", o.syncs.map((s) => el("tr", {},
+    el("td", {}, s.weight_version), el("td", {}, s.step), el("td", {}, s.reason), el("td", {}, s.state),
+    el("td", {}, fmt(s.seconds, 2)), el("td", {}, `${s.acked.length} / ${s.expected.length}`),
+    el("td", {}, s.unhealthy.join(", ") || "–"))));
+}
+
+function drawDeadLetters(o) {
+  fillTable("deadletters", o.deadletters.recent.map((d) => el("tr", {},
+    el("td", {}, d.entry_id), el("td", {}, d.stream), el("td", {}, d.consumer), el("td", {}, d.delivery_count),
+    el("td", {}, d.reason))));
+}
+
+async function poll() {
+  try {
+    const o = await api(`overview?since=${state.rows.length}`);
+    if (o.steps.from !== state.rows.length) state.rows = [];  // the run was reset: take it from the start
+    state.rows.push(...o.steps.rows);
+    state.syncSteps = o.syncs.map((s) => s.step);
+    state.essThreshold = o.ess_threshold;
+    drawHeadline(o);
+    drawCharts();
+    drawPlan(o);
+    drawSamplers(o);
+    drawSyncs(o);
+    drawDeadLetters(o);
+    const connection = document.getElementById("connection");
+    connection.textContent = `updated ${new Date().toLocaleTimeString()} · ${state.rows.length} steps`;
+    connection.dataset.steps = state.rows.length;
+    if (!document.getElementById("view-rollouts").hidden) await loadBatchList();
+  } catch (err) {
+    document.getElementById("connection").textContent = `no answer: ${err.message}`;
+  }
+}
+
+// ------------------------------------------------------------------------------------- rollout browser
+
+function tokenColour(metric, value) {
+  if (value === null || value === undefined || !Number.isFinite(value)) return "transparent";
+  if (metric === "logmu") {  // log mu in [-5, 0]: white (certain) to orange (unlikely)
+    const a = Math.min(1, -value / 5);
+    return `rgba(234, 88, 12, ${a.toFixed(3)})`;
+  }
+  const a = Math.min(1, Math.abs(value) / 0.5);  // |delta| of 0.5 nat and more: full colour
+  return value >= 0 ? `rgba(220, 38, 38, ${a.toFixed(3)})` : `rgba(37, 99, 235, ${a.toFixed(3)})`;
+}
+
+function drawBatch(batch) {
+  const metric = document.getElementById("token-metric").value;
+  document.getElementById("batch-summary").textContent =
+    `batch ${batch.batch_id} · ${batch.status}${batch.trained_step >= 0 ? ` at step ${batch.trained_step}` : ""} · ` +
+    `${batch.num_samples} of ${batch.num_slots} samples found in the rollouts stream` +
+    (batch.token_stats ? " · trainer's per-token log-ratios: yes" : " · trainer's per-token log-ratios: not kept");
+  const groups = batch.groups.map((g) => el("div", { class: "group", "data-group": g.group_id },
+    el("div", { class: "prompt" }, `group ${g.group_id}: `, el("b", {}, g.prompt),
+       g.answer ? el("span", { class: "muted" }, `  expected ${g.answer}`) : ""),
+    ...g.samples.map((s) => {
+      const values = s[metric];
+      const tokens = s.tokens.map((text, t) => el("span", {
+        class: "tok", style: `background:${tokenColour(metric, values ? values[t] : null)}`,
+        title: `log μ ${fmt(s.logmu[t], 4)} · δ_lag ${fmt(s.lag ? s.lag[t] : null, 4)} · δ_num ${fmt(s.num ? s.num[t] : null, 4)}`,
+      }, text));
+      return el("div", { class: "sample", "data-sample": s.sample_index },
+        el("span", {}, `#${s.sample_index}`), el("span", { class: "reward", "data-value": s.reward }, `reward ${fmt(s.reward, 2)}`),
+        el("span", {}, `v${s.weight_version}`), el("span", { class: "tokens" }, ...tokens));
+    })));
+  document.getElementById("groups").replaceChildren(...groups);
+  document.getElementById("groups").dataset.batch = batch.batch_id;
+}
+
+async function loadBatch(batchId) {
+  const batch = await api(`batches/${batchId}`);
+  state.batchLoaded = batch;
+  drawBatch(batch);
+}
+
+async function loadBatchList() {
+  const select = document.getElementById("batch-select");
+  const { batches } = await api("batches?limit=50");
+  const chosen = select.value;
+  select.replaceChildren(...batches.map((b) => el("option", { value: b.batch_id },
+    `batch ${b.batch_id} · ${b.status}${b.trained_step >= 0 ? ` · step ${b.trained_step}` : ""}`)));
+  if (chosen && batches.some((b) => String(b.batch_id) === chosen)) select.value = chosen;
+  if (!state.batchLoaded && select.value) await loadBatch(select.value);
+}
+
+function show(view) {
+  for (const button of document.querySelectorAll("nav button")) button.classList.toggle("active", button.dataset.view === view);
+  document.getElementById("view-overview").hidden = view !== "overview";
+  document.getElementById("view-rollouts").hidden = view !== "rollouts";
+  if (view === "rollouts") loadBatchList().catch((err) => {
+    document.getElementById("batch-summary").textContent = `no answer: ${err.message}`;
+  });
+}
+
+document.querySelectorAll("nav button").forEach((b) => b.addEventListener("click", () => show(b.dataset.view)));
+document.getElementById("batch-select").addEventListener("change", (e) => loadBatch(e.target.value));
+document.getElementById("token-metric").addEventListener("change", () => state.batchLoaded && drawBatch(state.batchLoaded));
+poll();
+setInterval(poll, POLL_MS);

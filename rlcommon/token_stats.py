@@ -1,0 +1,52 @@
+"""The trainer's per-token log-ratios of a batch, as it writes them for the dashboard's rollout browser.
+
+One entry of the stream `dlc:<run_id>:tokens` per trained batch (the trainer keeps the last
+`trainer.dashboard_token_batches`): msgpack `{"v": 1, "batch_id", "step", "rows": [[group_id, sample_index,
+lag, num], ...]}`, where per response token `lag` = log pi_theta - log pi_v (the policy lag: the trained
+weights against the rollout's version, before the step) and `num` = log pi_v - log mu (the numerical
+discrepancy: the trainer at the rollout's version against the sampler), each little-endian float16 bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+__all__ = ["decode_token_stats", "encode_token_stats"]
+
+VERSION = 1
+
+
+def encode_token_stats(
+    *, batch_id: int, step: int, slots: Sequence[tuple[int, int]], lag: np.ndarray, num: np.ndarray,
+    lengths: Sequence[int],
+) -> bytes:
+    """`lag`, `num`: [rows, T] (row i is `slots[i]`), the first `lengths[i]` positions of row i are its tokens."""
+    if not len(slots) == len(lengths) == lag.shape[0] == num.shape[0]:
+        raise ValueError(f"{len(slots)} slots, {len(lengths)} lengths, {lag.shape[0]} and {num.shape[0]} rows")
+    rows = []
+    for i, ((group_id, sample_index), n) in enumerate(zip(slots, lengths, strict=True)):
+        rows.append([int(group_id), int(sample_index), lag[i, :n].astype("<f2").tobytes(),
+                     num[i, :n].astype("<f2").tobytes()])
+    return msgpack.packb({"v": VERSION, "batch_id": int(batch_id), "step": int(step), "rows": rows})
+
+
+def decode_token_stats(data: bytes) -> dict[str, Any] | None:
+    """{"batch_id", "step", "rows": {(group_id, sample_index): {"lag": [...], "num": [...]}}}, or None for an
+    entry this version cannot read (another format version, or malformed)."""
+    try:
+        payload = msgpack.unpackb(data)
+        if payload.get("v") != VERSION:
+            return None
+        rows = {}
+        for group_id, sample_index, lag, num in payload["rows"]:
+            rows[(int(group_id), int(sample_index))] = {
+                "lag": np.frombuffer(lag, "<f2").astype(float).tolist(),
+                "num": np.frombuffer(num, "<f2").astype(float).tolist(),
+            }
+        return {"batch_id": int(payload["batch_id"]), "step": int(payload["step"]), "rows": rows}
+    except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
+        return None

@@ -1,0 +1,150 @@
+"""The coordinator's dashboard (coordinator/dashboard.py) served by a real CoordinatorServer over a real
+redis-server, asked over HTTP: the token, the static files it serves and those it does not, the step series
+(NaN as null), dead letters with their reasons, and a batch's rollouts read back from the stream with the
+trainer's per-token log-ratios."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from coordinator.server import CoordinatorServer
+from coordinator.service import Coordinator
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+from rlcommon.bus import DATA_FIELD, RedisConnection, StreamProducer, stream_key
+from rlcommon.config import RunConfig, load_config
+from rlcommon.plan_ids import slot_rollout_id
+from rlcommon.token_stats import encode_token_stats
+from rlcommon.tokenizer import CharTokenizer
+from rlcommon.wire import Rollout
+
+RUN_ID = "dash"
+TOKEN = "dash-token"
+B, G = 2, 2
+
+
+@pytest.fixture
+def dashboard(redis_url):
+    """A coordinator with its dashboard on a free port; yields (base url, gRPC stub, admin connection)."""
+    cfg = load_config(RunConfig, [], {"bus": {"run_id": RUN_ID}, "coordinator": {
+        "batch_size": B, "group_size": G, "max_inflight_batches": 2, "port": 0, "dashboard_port": 0,
+        "sync_policy": "never", "auth_token": TOKEN}})
+    conn = RedisConnection(redis_url, reconnect_max_s=2.0)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = CoordinatorServer(cfg, Coordinator(cfg, conn=conn, encode=CharTokenizer().encode), host="127.0.0.1")
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(20)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield f"http://127.0.0.1:{server.dashboard.port}", pb_grpc.CoordinatorStub(channel), conn
+    finally:
+        channel.close()
+        asyncio.run_coroutine_threadsafe(server.stop(grace_s=0.5), loop).result(20)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        conn.close()
+
+
+def get(url: str, *, token: str | None = TOKEN) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def get_json(url: str, **kwargs) -> tuple[int, dict]:
+    status, body = get(url, **kwargs)
+    return status, json.loads(body)
+
+
+def test_the_page_and_its_files_are_served_and_nothing_else(dashboard):
+    base, _, _ = dashboard
+    status, page = get(f"{base}/", token=None)  # the page holds no data: no token needed
+    assert status == 200 and b"static/vendor/uPlot.iife.min.js" in page and b"static/dashboard.js" in page
+    for name in ("dashboard.js", "dashboard.css", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css"):
+        assert get(f"{base}/static/{name}", token=None)[0] == 200, name
+    for path in ("/static/../dashboard.py", "/static/vendor/README.md", "/static/%2e%2e/server.py", "/etc/passwd",
+                 "/api/nothing"):
+        assert get(f"{base}{path}")[0] == 404, path
+
+
+def test_the_api_needs_the_token_and_names_bad_arguments(dashboard):
+    base, _, _ = dashboard
+    status, body = get_json(f"{base}/api/overview", token=None)
+    assert status == 401 and "Bearer" in body["error"]
+    assert get(f"{base}/api/overview", token="wrong")[0] == 401
+    status, body = get_json(f"{base}/api/overview?since=abc")
+    assert status == 400 and "since must be an integer" in body["error"]
+    assert get_json(f"{base}/api/overview?since=-1")[0] == 400
+    assert get_json(f"{base}/api/batches?limit=0")[0] == 400
+    status, body = get_json(f"{base}/api/batches/99")
+    assert status == 404 and "batch 99 is not planned" in body["error"]
+
+
+def test_overview_has_the_plan_the_steps_with_nan_as_null_and_dead_letters(dashboard):
+    base, stub, conn = dashboard
+    status, overview = get_json(f"{base}/api/overview")
+    assert status == 200 and overview["run_id"] == RUN_ID and overview["steps"] == {"from": 0, "rows": []}
+    assert overview["counts"]["total"] == 2 and overview["counts"]["trained"] == 0
+    stats = {"reward_mean": 0.25, "ess_lag": 0.9, "ess_full": float("nan"), "tokens": 12.0}
+    stub.ReportStep(pb.ReportStepRequest(step=0, batch_id=0, weight_version=0, stats=stats),
+                    metadata=(("authorization", f"Bearer {TOKEN}"),))
+    conn.call(lambda r: r.xadd(stream_key(RUN_ID, "deadletter"), {
+        b"reason": b"rollout_id 'x' does not name its plan slot", b"stream": b"dlc:dash:rollouts",
+        b"consumer": b"trainer-h", b"entry_id": b"1-0", b"delivery_count": b"1", b"data": b""}))
+    _, overview = get_json(f"{base}/api/overview?since=0")
+    (row,) = overview["steps"]["rows"]
+    assert row["step"] == 0 and row["batch_id"] == 0 and row["reward_mean"] == 0.25 and row["ess_full"] is None
+    assert overview["counts"]["trained"] == 1 and overview["deadletters"]["length"] == 1
+    assert overview["deadletters"]["recent"][0]["reason"] == "rollout_id 'x' does not name its plan slot"
+    assert get_json(f"{base}/api/overview?since=1")[1]["steps"] == {"from": 1, "rows": []}
+
+
+def rollout(batch_id: int, group_id: int, sample_index: int, text: str, reward: float) -> Rollout:
+    tokenizer = CharTokenizer()
+    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+    n, k = len(ids), 2
+    return Rollout(
+        rollout_id=slot_rollout_id(batch_id, group_id, sample_index), batch_id=batch_id, group_id=group_id,
+        sample_index=sample_index, weight_version=0, sampler_id="s0",
+        prompt_ids=np.asarray(tokenizer.encode(f"q{group_id}=", add_special_tokens=False), np.int32),
+        response_ids=ids, sampler_logprobs=np.full(n, -0.5, np.float32),
+        topk_ids=np.stack([ids, (ids + 1) % 40]).T.astype(np.int32), topk_logprobs=np.full((n, k), -0.5, np.float32),
+        reward=reward, finish_reason="length", temperature=1.0, top_p=1.0, top_k=-1)
+
+
+def test_a_batch_shows_each_groups_prompt_samples_and_per_token_log_ratios(dashboard):
+    base, stub, conn = dashboard
+    texts = {(0, 0): "12", (0, 1): "7", (1, 0): "345", (1, 1): "9"}
+    producer = StreamProducer(conn, stream_key(RUN_ID, "rollouts"))
+    producer.send_many([rollout(0, g, s, text, reward=float(g == s)) for (g, s), text in texts.items()])
+    producer.send_many([rollout(1, 0, 0, "99", 1.0)])  # another batch's rollout: not shown in batch 0
+    slots = sorted(texts)
+    lag = np.array([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0], [0.5, 0.6, 0.7], [-0.25, 0.0, 0.0]], np.float32)
+    data = encode_token_stats(batch_id=0, step=0, slots=slots, lag=lag, num=-lag,
+                              lengths=[len(texts[slot]) for slot in slots])
+    conn.call(lambda r: r.xadd(stream_key(RUN_ID, "tokens"), {DATA_FIELD: data}))
+    status, batch = get_json(f"{base}/api/batches/0")
+    assert status == 200 and batch["num_slots"] == 4 and batch["num_samples"] == 4 and batch["token_stats"]
+    groups = {g["group_id"]: g for g in batch["groups"]}
+    plan = stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=0)).plan
+    assert [g["prompt"] for g in batch["groups"]] == [g.prompt for g in plan.groups]  # the planned prompts
+    sample = groups[1]["samples"][0]
+    assert sample["text"] == "345" and sample["tokens"] == ["3", "4", "5"] and sample["reward"] == 0.0
+    assert sample["lag"] == pytest.approx([0.5, 0.6, 0.7], rel=2**-10) and sample["logmu"] == [-0.5] * 3
+    assert groups[0]["samples"][1]["num"] == pytest.approx([-0.4], rel=2**-10)
+    assert [b["batch_id"] for b in get_json(f"{base}/api/batches")[1]["batches"]] == [1, 0]
+    # batch 1: one of its slots found, and no per-token statistics kept for it
+    _, other = get_json(f"{base}/api/batches/1")
+    assert other["num_samples"] == 1 and not other["token_stats"] and other["groups"][0]["samples"][0]["lag"] is None
