@@ -119,11 +119,15 @@ def plot_breakdown(result: dict[str, Any], path: Path) -> Path:
         pipe = result["pipeline"]
         bars.append(("pipeline: trainer", {k: v for k, v in pipe["trainer_stages_s"].items() if v > 0}))
         bars.append(("pipeline: a rollout", dict(pipe["sampler_timings_s"])))
+        if pipe.get("cpu_s_per_step") and result.get("cores"):
+            # the CPU seconds of each service per step, over the cores: the bar's end is the CPU bound's step time
+            bars.append((f"pipeline: CPU s / {result['cores']} cores",
+                         {f"CPU {k}": v / result["cores"] for k, v in pipe["cpu_s_per_step"].items()}))
     if "inprocess" in result:
         best = result["inprocess"]["best"]
         bars.append((f"in-process ({best['threads']} threads)",
                      {"sample (HF generate)": best["sample_s"], "train": best["train_s"]}))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.9 * len(bars)))
     colors = plt.get_cmap("tab20").colors
     names = list(dict.fromkeys(name for _, parts in bars for name in parts))
     for index, (_, parts) in enumerate(bars):
@@ -136,7 +140,7 @@ def plot_breakdown(result: dict[str, Any], path: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("seconds (per step; a rollout's own times for the sampler bar)")
     ax.set_title("Where a step's time goes")
-    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

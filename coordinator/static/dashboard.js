@@ -36,7 +36,7 @@ function fmt(value, digits = 3) {
 // Each chart: series names (keys of a step row, or a function of the rows) and colours.
 const CHARTS = {
   "chart-reward": [["reward_mean", "#2563eb"]],
-  "chart-ess": [["ess_lag", "#dc2626"], ["ess_full", "#7c3aed"], ["threshold", "#999"]],
+  "chart-ess": [["ess_full", "#7c3aed"], ["ess_lag", "#dc2626"], ["threshold", "#999"]],  // ess_lag drawn on top
   "chart-delta": [["delta_num_mean", "#0891b2"], ["delta_lag_mean", "#ea580c"], ["delta_mean", "#65a30d"]],
   "chart-staleness": [["staleness_mean", "#2563eb"], ["staleness_max", "#dc2626"]],
   "chart-step-time": [["step_time_s", "#0f766e"]],
@@ -243,6 +243,10 @@ async function loadBatchList() {
   select.replaceChildren(...batches.map((b) => el("option", { value: b.batch_id },
     `batch ${b.batch_id} · ${b.status}${b.trained_step >= 0 ? ` · step ${b.trained_step}` : ""}`)));
   if (chosen && batches.some((b) => String(b.batch_id) === chosen)) select.value = chosen;
+  else {  // first time: the newest trained batch (the trainer's per-token log-ratios exist for trained ones)
+    const trained = batches.find((b) => b.status === "trained");
+    if (trained) select.value = String(trained.batch_id);
+  }
   if (!state.batchLoaded && select.value) await loadBatch(select.value);
 }
 

@@ -87,7 +87,7 @@ def test_the_page_shows_the_ledger_and_the_last_metrics_row(seen):
 def test_the_rollout_browser_shows_a_trained_batch_with_its_rewards(seen):
     rows_by_batch = {row["batch_id"]: row for row in seen["rows"]}
     batch = seen["batch"]
-    assert batch == STEPS - 1  # the newest batch first: the run plans exactly STEPS batches
+    assert batch == STEPS - 1  # the newest trained batch first (every planned batch is trained by now)
     groups = seen["groups"]
     assert len(groups) == 8 and all(len(g) == 4 for g in groups)  # configs/default.toml: B = 8, G = 4
     rewards = [r for g in groups for r in g]
