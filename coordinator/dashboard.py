@@ -43,10 +43,6 @@ STATIC_FILES = {
 _BATCH = re.compile(r"^/api/batches/(\d{1,18})$")
 
 
-class _BadRequest(ValueError):
-    pass
-
-
 def _int_arg(query: dict[str, list[str]], name: str, default: int) -> int:
     values = query.get(name)
     if not values:
@@ -54,7 +50,7 @@ def _int_arg(query: dict[str, list[str]], name: str, default: int) -> int:
     try:
         return int(values[0])
     except ValueError:
-        raise _BadRequest(f"{name} must be an integer, got {values[0]!r}") from None
+        raise ValueError(f"{name} must be an integer, got {values[0]!r}") from None
 
 
 class DashboardServer:
@@ -100,7 +96,7 @@ class DashboardServer:
         return hmac.compare_digest(presented.encode(), self.token.encode())
 
     def answer(self, path: str, query: dict[str, list[str]]) -> Any:
-        """The JSON of an /api/ path. _BadRequest: a bad argument; KeyError: nothing there."""
+        """The JSON of an /api/ path. ValueError: a bad argument; KeyError: nothing there."""
         if path == "/api/overview":
             return self.data.overview(since=_int_arg(query, "since", 0))
         if path == "/api/batches":
@@ -138,7 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             body = self.dashboard.answer(path, query)
-        except (_BadRequest, ValueError) as err:
+        except ValueError as err:
             self._send_json(HTTPStatus.BAD_REQUEST, {"error": str(err)})
         except KeyError as err:
             self._send_json(HTTPStatus.NOT_FOUND, {"error": err.args[0] if err.args else str(err)})

@@ -14,13 +14,13 @@ Non-finite floats become null (JSON has no NaN).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.state import coord_key
+from coordinator.service import InvalidArgument
+from coordinator.state import CoordinatorStore
 from rlcommon.bus import DATA_FIELD, stream_key
 from rlcommon.token_stats import decode_token_stats
 from rlcommon.wire import Rollout, WireError, decode
@@ -71,6 +71,7 @@ class DashboardData:
         self.on_coordinator = on_coordinator
         self.conn = conn
         self.run_id = core.run_id
+        self.store = CoordinatorStore(conn, core.run_id)
         self.tokenizer = tokenizer
         self.clock = clock
 
@@ -81,8 +82,7 @@ class DashboardData:
             raise ValueError(f"since must be >= 0, got {since}")
         core = self.core
         status, (syncs, _) = self.on_coordinator(lambda: (core.status(), core.sync_history(limit=100)))
-        steps_key = coord_key(self.run_id, "steps")
-        rows = self.conn.call(lambda r: r.lrange(steps_key, since, since + MAX_STEP_ROWS - 1))
+        rows = self.store.step_rows(since, MAX_STEP_ROWS)
         counts = status.counts
         return finite({
             "now": self.clock(),
@@ -101,7 +101,7 @@ class DashboardData:
             "samplers": [self._sampler(v, status) for v in status.samplers],
             "syncs": [self._sync(s) for s in syncs],
             "deadletters": {"length": status.deadletter_length, "recent": self.dead_letters()},
-            "steps": {"from": since, "rows": [json.loads(v) for v in rows]},
+            "steps": {"from": since, "rows": rows},
         })
 
     @staticmethod
@@ -154,7 +154,7 @@ class DashboardData:
         core = self.core
         try:
             record = self.on_coordinator(lambda: core.batch_plan(batch_id))
-        except Exception as err:  # InvalidArgument: not planned
+        except InvalidArgument as err:  # not planned
             raise KeyError(str(err)) from None
         group_ids = [g.group_id for g in record.groups]
         slots = {(g, s) for g in group_ids for s in range(record.group_size)}
@@ -196,8 +196,8 @@ class DashboardData:
     def _token_stats(self, batch_id: int) -> dict[tuple[int, int], dict[str, list[float]]]:
         key = stream_key(self.run_id, "tokens")
         for _, fields in self.conn.call(lambda r: r.xrevrange(key, count=1000)):
-            stats = decode_token_stats(fields.get(DATA_FIELD, b""))
-            if stats is not None and stats["batch_id"] == batch_id:
+            stats = decode_token_stats(fields.get(DATA_FIELD, b""), batch_id=batch_id)
+            if stats is not None:
                 return stats["rows"]
         return {}
 

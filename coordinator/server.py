@@ -317,11 +317,15 @@ class CoordinatorServer:
         """The run dashboard, when coordinator.dashboard_port is set (its `port` once started)."""
 
     @property
+    def dial_host(self) -> str:
+        """The host clients dial (0.0.0.0 dialed as 127.0.0.1)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
+
+    @property
     def address(self) -> str:
-        """host:port clients dial (0.0.0.0 dialed as 127.0.0.1)."""
+        """host:port clients dial."""
         assert self.port is not None, "server not started"
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
-        return f"{host}:{self.port}"
+        return f"{self.dial_host}:{self.port}"
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn(*args, **kwargs)` on the coordinator's thread."""
@@ -390,8 +394,7 @@ class CoordinatorServer:
                                     token=cfg.coordinator.auth_token, tls_cert=cfg.coordinator.tls_cert,
                                     tls_key=cfg.coordinator.tls_key)
         port = dashboard.start()
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]", "") else self.host
-        logger.info("dashboard on %s://%s:%d/%s", "https" if cfg.coordinator.tls_cert else "http", host, port,
+        logger.info("dashboard on %s://%s:%d/%s", "https" if cfg.coordinator.tls_cert else "http", self.dial_host, port,
                     " (its API needs the coordinator's token)" if cfg.coordinator.auth_token else "")
         return dashboard
 

@@ -34,12 +34,13 @@ def encode_token_stats(
     return msgpack.packb({"v": VERSION, "batch_id": int(batch_id), "step": int(step), "rows": rows})
 
 
-def decode_token_stats(data: bytes) -> dict[str, Any] | None:
+def decode_token_stats(data: bytes, *, batch_id: int | None = None) -> dict[str, Any] | None:
     """{"batch_id", "step", "rows": {(group_id, sample_index): {"lag": [...], "num": [...]}}}, or None for an
-    entry this version cannot read (another format version, or malformed)."""
+    entry this version cannot read (another format version, or malformed), or of another batch than `batch_id`
+    (its rows are not decoded)."""
     try:
         payload = msgpack.unpackb(data)
-        if payload.get("v") != VERSION:
+        if payload.get("v") != VERSION or (batch_id is not None and payload["batch_id"] != batch_id):
             return None
         rows = {}
         for group_id, sample_index, lag, num in payload["rows"]:

@@ -52,7 +52,7 @@ from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint
 from trainer_svc.parallel import DataParallel
 from trainer_svc.ranks import Ranks
 from trainer_svc.stages import StageClock, rollout_timings
-from trainer_svc.step import TrainStep
+from trainer_svc.step import StepResult, TrainStep
 
 logger = logging.getLogger("trainer")
 
@@ -348,14 +348,15 @@ class TrainerService:
             self.release_old_versions()
 
     def keep_token_stats(self, batch_id: int, step: int, slots: list[tuple[int, int]], rollouts: list[Rollout],
-                         result: Any) -> None:
+                         result: StepResult) -> None:
         """The batch's per-token log-ratios for the dashboard (rlcommon/token_stats.py), the last
         `trainer.dashboard_token_batches` kept. Best effort: a failure is logged, the run goes on."""
         keep = self.cfg.trainer.dashboard_token_batches
         if not keep or result.token_logratios is None:
             return
-        data = encode_token_stats(batch_id=batch_id, step=step, slots=slots, lag=result.token_logratios["lag"],
-                                  num=result.token_logratios["num"], lengths=[len(r.response_ids) for r in rollouts])
+        lag, num = (result.token_logratios[k].float().cpu().numpy() for k in ("lag", "num"))
+        data = encode_token_stats(batch_id=batch_id, step=step, slots=slots, lag=lag, num=num,
+                                  lengths=[len(r.response_ids) for r in rollouts])
         key = stream_key(self.cfg.bus.run_id, "tokens")
         try:
             self.conn.call(lambda r: r.xadd(key, {DATA_FIELD: data}, maxlen=keep, approximate=False))

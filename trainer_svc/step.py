@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -64,9 +63,10 @@ class StepResult:
     skipped: bool
     """True when the batch was not trained on (non-finite loss or gradient)."""
     skip_reason: str | None = None
-    token_logratios: dict[str, np.ndarray] | None = None
-    """Per response token of each row ([rows, T], float32; padding past a row's length): `lag` = log pi_theta -
-    log pi_v (before the step), `num` = log pi_v - log mu (what the dashboard colours tokens by)."""
+    token_logratios: dict[str, Tensor] | None = None
+    """Per response token of each row ([rows, T], detached, on the model's device; padding past a row's length):
+    `lag` = log pi_theta - log pi_v (before the step), `num` = log pi_v - log mu (what the dashboard colours
+    tokens by; copied to the host only by a trainer that keeps them)."""
 
 
 class TrainStep:
@@ -160,10 +160,7 @@ class TrainStep:
                 version = self.snapshots.version_logprobs(batch, model=self.model, current=current)
         loss, loss_metrics = self._loss(batch, current, version)
         with torch.no_grad():
-            token_logratios = {
-                "lag": (current.logp.detach() - version.logp).float().cpu().numpy(),
-                "num": (version.logp - batch.sampler_logprobs).float().cpu().numpy(),
-            }
+            token_logratios = {"lag": current.logp.detach() - version.logp, "num": version.logp - batch.sampler_logprobs}
 
         skip_reason = None
         grad_norm = math.nan

@@ -20,6 +20,8 @@ def test_round_trip_keeps_each_rows_own_tokens_at_float16_precision():
     # float16 keeps 11 significant bits: a relative error of at most 2**-11
     np.testing.assert_allclose(row["lag"], lag[1, :2], rtol=2**-11)
     np.testing.assert_allclose(stats["rows"][(1, 0)]["num"], num[2, :3], rtol=2**-11)
+    assert decode_token_stats(data, batch_id=7)["rows"].keys() == stats["rows"].keys()
+    assert decode_token_stats(data, batch_id=8) is None  # another batch's entry: its rows are not decoded
 
 
 def test_unreadable_entries_decode_to_none_and_bad_shapes_are_refused():
