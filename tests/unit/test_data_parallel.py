@@ -14,23 +14,21 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.trainer_ranks import GLOO_ABORT, aborted_in_cpp
 from rlcommon.config import METHODS
 from tests.unit.test_step import F32_GRAD_RTOL
 
 REPO = Path(__file__).resolve().parents[2]
-GLOO_ABORT = "terminate called without an active exception"
-"""A rank that dies in C++ (std::terminate, SIGABRT) with no Python error of its own: seen once in ~10 runs on
-a busy 2-core machine (a gloo thread, cf. pytorch/pytorch#90549), never twice in a row."""
 
 
 def run_ranks(out: Path, *args: str, scratch: Path | None = None) -> dict:
-    """tests/unit/dp_worker.py on 2 gloo ranks under torchrun; what rank 0 wrote. One more try only after the
-    C++ abort above when no worker raised (an assertion or error in dp_worker.py fails at once); `scratch`, the
-    workers' output folder, is emptied before it."""
+    """tests/unit/dp_worker.py on 2 gloo ranks under torchrun; what rank 0 wrote. One more try only after a
+    rank's C++ abort with no Python error (`benchmarks.trainer_ranks.aborted_in_cpp`; an assertion or error in
+    dp_worker.py fails at once); `scratch`, the workers' output folder, is emptied before it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "tests/unit/dp_worker.py"), str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0 and GLOO_ABORT in proc.stderr and 'dp_worker.py", line' not in proc.stderr:
+    if proc.returncode != 0 and aborted_in_cpp(proc.stderr, "dp_worker.py"):
         print(f"a rank aborted in C++ ({GLOO_ABORT!r}) without a Python error: running the ranks again")
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

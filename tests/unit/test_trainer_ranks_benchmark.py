@@ -25,3 +25,12 @@ def test_the_ranks_benchmark_reports_each_rank():
         assert result["step_s"] > 0
         assert all(peak >= before > 0 for peak, before in zip(result["peak_rss_gb_per_rank"],
                                                               result["rss_before_steps_gb_per_rank"], strict=True))
+
+
+def test_only_a_cpp_abort_without_a_python_error_is_run_again():
+    from benchmarks.trainer_ranks import GLOO_ABORT, aborted_in_cpp
+
+    assert aborted_in_cpp(f"W... closing signal SIGTERM\n{GLOO_ABORT}\nexitcode: -6", "trainer_ranks.py")
+    worker_error = f'  File "/r/benchmarks/trainer_ranks.py", line 90, in worker\nAssertionError\n{GLOO_ABORT}'
+    assert not aborted_in_cpp(worker_error, "trainer_ranks.py")
+    assert not aborted_in_cpp("RuntimeError: connection refused", "trainer_ranks.py")
