@@ -8,7 +8,11 @@
   A consumer restarted under the same name first re-reads its own pending entries.
 - An entry that fails to decode goes to the dead-letter stream (reason, original bytes, consumer,
   source stream, entry id) and is acked on its source: a bad message never crashes a service.
-- Trimming (`trim_acked`) drops only entries every group has acknowledged.
+- Trimming (`trim_acked`) drops only entries every group has acknowledged. A producer made by
+  `StreamProducer.from_config` counts and trims over the project's own group of its stream only
+  (`OWNED_GROUPS`: the samplers' on tasks, the trainer's on rollouts): another group (an operator's
+  monitor, a second trainer under another group name) never acks what the run needs acked, so it would
+  stop every producer for good; it is logged once and ignored, and its unread entries may be trimmed.
 - Every call retries with exponential backoff while Redis is unreachable (`RedisConnection.call`).
   Credentials come in the URL (`redis://user:password@host:port/db`, one ACL user per service:
   rlcommon/redis_acl.py); refused credentials raise BusAuthError at once; logs show the URL without them.
@@ -39,6 +43,9 @@ from rlcommon import wire
 from rlcommon.config import BusConfig, RedisConfig, WireLimits
 
 __all__ = [
+    "OWNED_GROUPS",
+    "ROLLOUTS_GROUP",
+    "TASKS_GROUP",
     "BusAuthError",
     "BusUnavailableError",
     "Delivery",
@@ -54,6 +61,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DATA_FIELD = b"d"
+TASKS_GROUP = "samplers"
+"""The samplers' consumer group on the tasks stream."""
+ROLLOUTS_GROUP = "trainer"
+"""The trainer's consumer group on the rollouts stream."""
+OWNED_GROUPS: dict[str, str] = {"tasks": TASKS_GROUP, "rollouts": ROLLOUTS_GROUP}
+"""Stream name -> the project's own consumer group on it: the only group a producer's backpressure
+(queue_depth) and trimming wait for. Any other group on the stream is foreign and ignored."""
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ACK_CHUNK = 1000  # ids per XACK script call (Lua unpack limit)
 _SEND_CHUNK = 256  # entries per pipeline
@@ -292,7 +306,10 @@ def trim_acked(conn: RedisConnection, stream: str, groups: str | Sequence[str] |
     the stream). A stream without groups, or whose named group does not exist yet, is not trimmed.
     """
     wanted = [groups] if isinstance(groups, str) else list(groups) if groups is not None else None
-    snap = _snapshot(conn, stream)
+    return _trim(conn, stream, _snapshot(conn, stream), wanted)
+
+
+def _trim(conn: RedisConnection, stream: str, snap: _Snapshot, wanted: list[str] | None) -> int:
     names = wanted if wanted is not None else list(snap.groups)
     if not names or any(name not in snap.groups for name in names):
         return 0
@@ -332,24 +349,28 @@ class StreamProducer:
         max_queue_depth: int | None = None,
         groups: Sequence[str] | None = None,
     ) -> None:
-        """groups: consumer groups whose backlog counts for queue_depth/trimming (default: all)."""
+        """groups: consumer groups whose backlog counts for queue_depth/trimming (default: all); any other
+        group of the stream is ignored (logged once)."""
         self.conn = conn
         self.stream = stream
         self.max_stream_len = max_stream_len
         self.max_queue_depth = max_queue_depth
         self.groups = list(groups) if groups is not None else None
         self._next_trim_s = 0.0
+        self._foreign_groups_seen: set[str] = set()
 
     @classmethod
     def from_config(
         cls, conn: RedisConnection, bus: BusConfig, name: str, *, backpressure: bool = True
     ) -> StreamProducer:
-        """Producer of stream `name` of run bus.run_id, with bus's trim target and queue-depth bound."""
+        """Producer of stream `name` of run bus.run_id, with bus's trim target and queue-depth bound, counting
+        and trimming over the project's own group of the stream (`OWNED_GROUPS`) only."""
         return cls(
             conn,
             stream_key(bus.run_id, name),
             max_stream_len=bus.max_stream_len,
             max_queue_depth=bus.max_queue_depth if backpressure else None,
+            groups=[OWNED_GROUPS[name]] if name in OWNED_GROUPS else None,
         )
 
     def send(self, msg: wire.Message) -> bytes:
@@ -385,18 +406,35 @@ class StreamProducer:
         return ids
 
     def trim(self) -> int:
-        """Drop entries every group has acked (never an unacked one); returns how many went."""
-        return trim_acked(self.conn, self.stream, self.groups)
+        """Drop entries every counted group has acked (never one they have not); returns how many went."""
+        snap = self._snapshot()
+        return _trim(self.conn, self.stream, snap, self.groups)
 
     def queue_depth(self) -> int:
         """Entries not yet acked by the consumer group (undelivered + pending); the largest over the
-        groups; the stream length while no group exists (nobody consumed anything yet)."""
-        snap = _snapshot(self.conn, self.stream)
+        counted groups; the stream length while none exists (nobody consumed anything yet)."""
+        snap = self._snapshot()
         names = self.groups if self.groups is not None else list(snap.groups)
         depths = [
             _group_depth(snap, snap.groups[name]) if name in snap.groups else snap.length for name in names
         ]
         return max(depths, default=snap.length)
+
+    def _snapshot(self) -> _Snapshot:
+        """The stream's snapshot; logs once each group it does not count (`groups`)."""
+        snap = _snapshot(self.conn, self.stream)
+        if self.groups is not None:
+            foreign = sorted(set(snap.groups) - set(self.groups) - self._foreign_groups_seen)
+            if foreign:
+                self._foreign_groups_seen.update(foreign)
+                log.warning(
+                    "%s has consumer group(s) %s besides the run's own (%s): ignored for backpressure and "
+                    "trimming, so entries they have not read may be trimmed",
+                    self.stream,
+                    ", ".join(foreign),
+                    ", ".join(self.groups),
+                )
+        return snap
 
     def wait_for_room(self, timeout_s: float) -> bool:
         """Block until queue_depth() < max_queue_depth; False if still full after timeout_s."""

@@ -138,7 +138,21 @@ class WireLimits(StrictModel):
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     """Largest accepted encoded message."""
     vocab_size: int | None = Field(None, ge=1)
-    """When known, token ids must be below it."""
+    """Token ids (prompt, response, top-K) must be below it: the rows of the model's embedding, its config.json
+    `vocab_size` (which may exceed the tokenizer's size: padding). Every service sets it at start-up from the
+    model it serves or trains (`WireLimits.for_model_vocab`); a value set here can only tighten that."""
+    min_logprob: float = Field(-1e4, lt=0)
+    """Smallest accepted log-prob of a sampled token (each of `sampler_logprobs`, and the sampled token's entry of
+    its top-K row); a rollout below it is rejected (dead-lettered). A float32 probability is 0 below a log of
+    about -104, so a token an engine really sampled is far above -1e4; a value below is garbage that would
+    overflow the importance ratio exp(logp_trainer - logp_sampler). The other top-K entries have no floor: at
+    a low temperature a listed token's probability is legitimately ~0 (and -inf when masked)."""
+
+    def for_model_vocab(self, model_vocab_size: int) -> WireLimits:
+        """These limits with `vocab_size` set to the model's (config.json `vocab_size`), or kept where the
+        configured one is smaller."""
+        configured = self.vocab_size if self.vocab_size is not None else model_vocab_size
+        return self.model_copy(update={"vocab_size": min(configured, model_vocab_size)})
 
 
 class SamplerConfig(StrictModel):

@@ -16,6 +16,7 @@ imports them only when it builds a model.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from typing import Literal
 from rlcommon.config import ModelConfig, TaskConfig
 from rlcommon.tiny_model import PRESETS
 
-__all__ = ["ModelNotFoundError", "model_source", "resolve_model"]
+__all__ = ["ModelNotFoundError", "model_source", "model_vocab_size", "resolve_model"]
 
 
 def model_source(name_or_path: str) -> Literal["preset", "local", "hub"]:
@@ -96,6 +97,31 @@ def resolve_model(
     except Exception as err:
         # One error with everything needed to fix it (huggingface_hub's own chain adds nothing to it).
         raise ModelNotFoundError(_hub_miss_message(name, err)) from None
+
+
+def model_vocab_size(model_cfg: ModelConfig, task_cfg: TaskConfig, *, model_dir: Path | None = None) -> int:
+    """Rows of the model's token embedding: config.json's `vocab_size` (a multimodal config's `text_config`'s),
+    which may exceed the tokenizer's size (padding); an id at or past it fails in the embedding. It is what
+    every service sets `WireLimits.vocab_size` to.
+
+    model_dir: the resolved folder, where the caller has it (the sampler, the trainer). Without it a preset's
+    is known without building the model, and a folder or hub model is resolved (config.json only, no torch).
+    """
+    if model_dir is None:
+        name = model_cfg.name_or_path
+        if model_source(name) == "preset":
+            from rlcommon.tiny_model import RealShape, preset_config_json, preset_tokenizer
+
+            if isinstance(PRESETS[name], RealShape):
+                return int(preset_config_json(name)["vocab_size"])
+            return preset_tokenizer(name).vocab_size  # tiny/small: the embedding has the tokenizer's rows
+        model_dir = resolve_model(model_cfg, task_cfg)
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text())
+    vocab_size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"model.name_or_path: {path} has no vocab_size (a positive int), got {vocab_size!r}")
+    return vocab_size
 
 
 def _hub_miss_message(name: str, err: Exception) -> str:

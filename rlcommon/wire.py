@@ -15,8 +15,9 @@ Validation rules beyond types (see `validate`):
 - token ids are >= 0 and < limits.vocab_size when it is set; a top-K row holds no id twice and holds
   the sampled token, whose top-K logprob is finite.
 - logprobs are <= LOGPROB_TOLERANCE (1e-6, float error; clamping is the sampler's job); sampler_logprobs
-  are finite; topk_logprobs may be -inf (a token masked by top-k/top-p has probability 0 in the
-  processed distribution), never NaN or +inf.
+  are finite and >= limits.min_logprob (-1e4), and so is the sampled token's entry of its top-K row; the
+  other topk_logprobs may be anything below 0 down to -inf (a token masked by top-k/top-p has probability 0
+  in the processed distribution), never NaN or +inf.
 - versions, ids, indices and counts are non-negative ints (bools and floats are rejected) below 2**63;
   top_k >= -1; group_size >= 1; temperature > 0; 0 < top_p <= 1; floats finite; id strings 1..256
   characters.
@@ -552,6 +553,13 @@ def _validate_rollout(msg: Rollout, limits: WireLimits) -> None:
     for name in ("prompt_ids", "response_ids", "topk_ids"):
         _check_ids(name, getattr(msg, name), limits.vocab_size)
     _check_logprobs("sampler_logprobs", msg.sampler_logprobs, allow_neg_inf=False)
+    low = float(msg.sampler_logprobs.min())
+    if low < limits.min_logprob:
+        raise WireError(
+            "sampler_logprobs",
+            f"logprob {low:g} at token {int(np.argmin(msg.sampler_logprobs))} is below "
+            f"limits.min_logprob={limits.min_logprob:g}",
+        )
     _check_logprobs("topk_logprobs", msg.topk_logprobs, allow_neg_inf=True)
     if k > 1:
         rows = np.sort(msg.topk_ids, axis=1)
@@ -563,9 +571,15 @@ def _validate_rollout(msg: Rollout, limits: WireLimits) -> None:
     if np.count_nonzero(hits) != num_tokens:
         t = int(np.argmin(hits.any(axis=1)))
         raise WireError("topk_ids", f"row {t} does not contain the sampled token {int(msg.response_ids[t])}")
-    if float(msg.topk_logprobs.min()) == -math.inf and not np.isfinite(msg.topk_logprobs[hits]).all():
-        t = int(np.argmin(np.isfinite(msg.topk_logprobs[hits])))
-        raise WireError("topk_logprobs", f"row {t}: the sampled token has logprob -inf")
+    if float(msg.topk_logprobs.min()) < limits.min_logprob:  # -inf included
+        sampled = msg.topk_logprobs[hits]  # row order: one hit per row
+        if not (sampled >= limits.min_logprob).all():
+            t = int(np.argmin(sampled >= limits.min_logprob))
+            raise WireError(
+                "topk_logprobs",
+                f"row {t}: the sampled token has logprob {float(sampled[t]):g}, below "
+                f"limits.min_logprob={limits.min_logprob:g}",
+            )
     if msg.temperature <= 0:
         raise WireError("temperature", f"must be > 0, got {msg.temperature}")
     if not 0 < msg.top_p <= 1:

@@ -20,10 +20,10 @@ from pathlib import Path
 import grpc
 
 from protos import coordinator_pb2 as pb
-from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
+from rlcommon.bus import TASKS_GROUP, Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
-from rlcommon.models import resolve_model
+from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.rpc import AsyncCoordinatorClient
 from rlcommon.weight_store import WeightsError
 from rlcommon.wire import Task, WireError
@@ -31,8 +31,6 @@ from sampler_svc.engine import EngineError, SamplerEngine
 from sampler_svc.rollouts import generate_rollouts
 
 logger = logging.getLogger("sampler")
-
-TASKS_GROUP = "samplers"
 
 
 class SamplerService:
@@ -58,9 +56,10 @@ class SamplerService:
         cfg = self.cfg
         self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
         self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling).start()
+        self.limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.conn = RedisConnection.from_config(cfg.redis)
         self.consumer = StreamConsumer.from_config(
-            self.conn, cfg.bus, "tasks", group=TASKS_GROUP, consumer=self.sampler_id, expected=Task, limits=cfg.wire
+            self.conn, cfg.bus, "tasks", group=TASKS_GROUP, consumer=self.sampler_id, expected=Task, limits=self.limits
         )
         self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts")
         self.coordinator = AsyncCoordinatorClient.from_config(cfg.coordinator)
@@ -114,7 +113,7 @@ class SamplerService:
         task: Task = delivery.message  # type: ignore[assignment]
         try:
             self.check_task(task)
-            rollouts = await generate_rollouts(self.engine, task, sampler_id=self.sampler_id, limits=self.cfg.wire)
+            rollouts = await generate_rollouts(self.engine, task, sampler_id=self.sampler_id, limits=self.limits)
         except (ValueError, WireError) as err:  # a task this sampler can never serve: dead-letter it
             logger.warning("task %s rejected: %s", task.task_id, err)
             await asyncio.to_thread(self.consumer.reject, [delivery], reason=f"sampler {self.sampler_id}: {err}")

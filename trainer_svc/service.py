@@ -31,10 +31,10 @@ import grpc
 import torch
 
 from protos import coordinator_pb2 as pb
-from rlcommon.bus import DATA_FIELD, Delivery, RedisConnection, StreamConsumer, stream_key
+from rlcommon.bus import DATA_FIELD, ROLLOUTS_GROUP, Delivery, RedisConnection, StreamConsumer, stream_key
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
-from rlcommon.models import resolve_model
+from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.plan_ids import slot_rollout_id
 from rlcommon.rpc import CoordinatorClient
 from rlcommon.token_stats import encode_token_stats
@@ -55,8 +55,6 @@ from trainer_svc.stages import StageClock, rollout_timings
 from trainer_svc.step import StepResult, TrainStep
 
 logger = logging.getLogger("trainer")
-
-ROLLOUTS_GROUP = "trainer"
 
 
 @dataclass
@@ -154,9 +152,10 @@ class TrainerService:
             logger.info("trainer sharded over %d ranks (FSDP2); this is rank 0", self.parallel.world)
 
         self.conn = RedisConnection.from_config(cfg.redis)
+        limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.consumer = StreamConsumer.from_config(
             self.conn, cfg.bus, "rollouts", group=ROLLOUTS_GROUP, consumer=f"trainer-{socket.gethostname()}",
-            expected=Rollout, limits=cfg.wire,
+            expected=Rollout, limits=limits,
         )
         self.coordinator = CoordinatorClient.from_config(cfg.coordinator)
         self.refresh_status()

@@ -12,6 +12,9 @@ import pytest
 
 from benchmarks.transport import run as run_transport_benchmark
 from rlcommon.bus import (
+    OWNED_GROUPS,
+    ROLLOUTS_GROUP,
+    TASKS_GROUP,
     BusUnavailableError,
     RedisConnection,
     StreamConsumer,
@@ -274,6 +277,38 @@ def test_queue_depth_is_exact_on_this_redis(conn):
     other.ack([d.entry_id for d in other.read(100)])
     assert StreamProducer(conn, STREAM, groups=["other"]).queue_depth() == 0
     assert producer.queue_depth() == 2
+
+
+def test_producers_count_and_trim_only_over_the_projects_own_group(conn, caplog):
+    """A foreign group (an operator's monitor that reads and never acks, one that never reads) neither fills
+    the queue nor stops the trim: a producer of the run counts its stream's own group only, and says so once."""
+    assert OWNED_GROUPS == {"tasks": TASKS_GROUP, "rollouts": ROLLOUTS_GROUP}
+    assert (TASKS_GROUP, ROLLOUTS_GROUP) == ("samplers", "trainer")
+    bus = BusConfig(run_id="test", max_queue_depth=4, max_stream_len=100)
+    producer = StreamProducer.from_config(conn, bus, "tasks")
+    assert producer.stream == STREAM and producer.groups == [TASKS_GROUP]
+    assert StreamProducer.from_config(conn, bus, "rollouts").groups == [ROLLOUTS_GROUP]
+    assert StreamProducer.from_config(conn, bus, "deadletter").groups is None  # no own group: every group
+    own = consumer(conn, "s0", group=TASKS_GROUP)
+    monitor, idle = consumer(conn, "m0", group="monitor"), consumer(conn, "i0", group="never-reads")
+    producer.send_many([make_task(i) for i in range(4)])
+    assert len(monitor.read(10)) == 4  # pending at the monitor for good
+    assert producer.queue_depth() == 4 and not producer.wait_for_room(0)  # the own group has read nothing yet
+    own.ack([d.entry_id for d in own.read(10)])
+    assert producer.queue_depth() == 0 and producer.wait_for_room(0)
+    assert StreamProducer(conn, STREAM).queue_depth() == 4  # counting every group: full for good
+    assert producer.trim() == 4  # what the own group acked goes, pending at the monitor or never read
+    assert conn.client.xlen(STREAM) == 0
+    more = producer.send_many([make_task(i) for i in range(4, 10)])
+    assert producer.queue_depth() == 6
+    own.ack([d.entry_id for d in own.read(3)])
+    assert producer.queue_depth() == 3
+    assert producer.trim() == 3 and [entry_id for entry_id, _ in conn.client.xrange(STREAM)] == more[3:]
+    assert monitor.pending_count() == 4 and idle.pending_count() == 0
+    warnings = [r.getMessage() for r in caplog.records if "besides the run's own" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, naming both foreign groups
+    assert "monitor, never-reads" in warnings[0] and f"({TASKS_GROUP})" in warnings[0]
+    assert caplog.records[[r.getMessage() for r in caplog.records].index(warnings[0])].levelname == "WARNING"
 
 
 def test_queue_depth_heals_when_the_group_catches_up(conn):

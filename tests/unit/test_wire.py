@@ -467,6 +467,82 @@ def test_topk_logprob_rules():
     assert "row 1" in expect_error(encode(make_rollout(topk_logprobs=values)), "topk_logprobs").reason
 
 
+def test_out_of_vocab_ids_are_rejected_naming_the_field():
+    """Ids the model cannot embed (at or past its config.json vocab_size) fail in decode, each naming its field;
+    the first one is the live repro: a response whose first id is 1,000,000, listed in its top-K row."""
+    limits = WireLimits(vocab_size=215)  # make_rollout's largest id is 214 (a top-K id)
+    msg = make_rollout()
+    assert decode(encode(msg), limits=limits)
+    response, topk = msg.response_ids.copy(), msg.topk_ids.copy()
+    response[0] = topk[0, 0] = 1_000_000
+    err = expect_error(encode(make_rollout(response_ids=response, topk_ids=topk)), "response_ids", limits=limits)
+    assert err.reason == "token id 1000000 is >= limits.vocab_size=215"
+    prompt = msg.prompt_ids.copy()
+    prompt[1] = 215  # the first id past the embedding
+    err = expect_error(encode(make_rollout(prompt_ids=prompt)), "prompt_ids", limits=limits)
+    assert err.reason == "token id 215 is >= limits.vocab_size=215"
+    topk = msg.topk_ids.copy()
+    topk[3, 2] = 215  # not the sampled token
+    err = expect_error(encode(make_rollout(topk_ids=topk)), "topk_ids", limits=limits)
+    assert err.reason == "token id 215 is >= limits.vocab_size=215"
+    task = make_task(prompt_ids=np.array([4, 215], dtype=np.int32))
+    err = expect_error(encode(task), "prompt_ids", limits=limits, expected=Task)
+    assert err.reason == "token id 215 is >= limits.vocab_size=215"
+    assert decode(encode(make_task(prompt_ids=np.array([4, 214], dtype=np.int32))), limits=limits)
+    topk = np.where(msg.topk_ids == 10, 1_000_000, msg.topk_ids)
+    with pytest.raises(WireError, match="response_ids: token id 1000000"):  # the producer's own check
+        validate(make_rollout(response_ids=response, topk_ids=topk), limits=limits)
+
+
+def test_absurd_sampled_logprobs_are_rejected_below_the_floor():
+    """A sampled token's logprob below limits.min_logprob (-1e4: a probability float32 cannot hold) is
+    garbage: sampler_logprobs and the sampled token's top-K entry are refused, naming the field and the floor.
+    The other top-K entries have no floor (a listed token at a low temperature, or masked: -inf)."""
+    msg = make_rollout()
+    assert WireLimits().min_logprob == -1e4
+    values = msg.sampler_logprobs.copy()
+    values[3] = -1e30
+    err = expect_error(encode(make_rollout(sampler_logprobs=values)), "sampler_logprobs")
+    assert err.reason == "logprob -1e+30 at token 3 is below limits.min_logprob=-10000"
+    values[3] = -1e4  # at the floor: accepted
+    assert decode(encode(make_rollout(sampler_logprobs=values)))
+    assert "limits.min_logprob=-50" in expect_error(
+        encode(make_rollout(sampler_logprobs=values)), "sampler_logprobs", limits=WireLimits(min_logprob=-50)
+    ).reason
+    topk = msg.topk_logprobs.copy()
+    topk[2, 1], topk[4, 2] = -1e30, -math.inf  # not sampled: probability ~0
+    assert decode(encode(make_rollout(topk_logprobs=topk)))
+    topk[1, 0] = -2e4  # the sampled token (column 0)
+    err = expect_error(encode(make_rollout(topk_logprobs=topk)), "topk_logprobs")
+    assert err.reason == "row 1: the sampled token has logprob -20000, below limits.min_logprob=-10000"
+    for bad in (float("nan"), float("-inf")):
+        values = msg.sampler_logprobs.copy()
+        values[0] = bad
+        expect_error(encode(make_rollout(sampler_logprobs=values)), "sampler_logprobs")
+
+
+def test_limits_take_the_models_vocab_size(tmp_path):
+    """Each service sets vocab_size from the config.json of the model it serves or trains (the embedding's rows,
+    which may exceed the tokenizer's: padding); a configured vocab_size can only tighten it."""
+    from rlcommon.config import ModelConfig, TaskConfig
+    from rlcommon.models import model_vocab_size
+
+    assert WireLimits().for_model_vocab(64).vocab_size == 64
+    assert WireLimits(vocab_size=50).for_model_vocab(64).vocab_size == 50
+    assert WireLimits(vocab_size=100, max_topk=8).for_model_vocab(64) == WireLimits(vocab_size=64, max_topk=8)
+    model, task = ModelConfig(name_or_path=str(tmp_path)), TaskConfig()
+    (tmp_path / "config.json").write_text('{"vocab_size": 151936, "hidden_size": 8}')
+    assert model_vocab_size(model, task) == model_vocab_size(model, task, model_dir=tmp_path) == 151_936
+    (tmp_path / "config.json").write_text('{"model_type": "x", "text_config": {"vocab_size": 32064}}')
+    assert model_vocab_size(model, task, model_dir=tmp_path) == 32_064
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ValueError, match="has no vocab_size"):
+        model_vocab_size(model, task, model_dir=tmp_path)
+    # Presets without building them (the coordinator's case: no torch, the model may not exist yet).
+    assert model_vocab_size(ModelConfig(name_or_path="tiny"), task) == 64
+    assert model_vocab_size(ModelConfig(name_or_path="qwen3-0.6b-L2"), task) == 151_936
+
+
 # ---------------------------------------------------------------------------------------------- encode
 
 
