@@ -28,7 +28,10 @@ async def serve(cfg: RunConfig) -> int:
     from coordinator.service import Coordinator
     from rlcommon.bus import RedisConnection
     from rlcommon.metrics import MetricsSink, start_metrics_server
+    from rlcommon.models import model_vocab_size
 
+    # The model's vocabulary bounds the prompt ids it plans (config.json only: a preset's without building it).
+    cfg.wire = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task))
     with contextlib.ExitStack() as stack:
         url = cfg.redis.url
         if url is None:

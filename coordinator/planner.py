@@ -237,6 +237,7 @@ class BatchPlanner:
         max_inflight_batches: int,
         total_batches: int | None = None,
         max_prompt_tokens: int | None = None,
+        vocab_size: int | None = None,
         version_hint: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -250,6 +251,9 @@ class BatchPlanner:
         self.max_inflight_batches = max_inflight_batches
         self.total_batches = total_batches
         self.max_prompt_tokens = max_prompt_tokens
+        self.vocab_size = vocab_size
+        """The model's vocabulary (wire.vocab_size): a prompt id at or past it is a tokenizer that does not fit
+        the model, refused here rather than dead-lettered by every sampler."""
         self.version_hint = version_hint
         self.clock = clock
 
@@ -275,6 +279,12 @@ class BatchPlanner:
                 raise PlanError(
                     f"prompt {prompt_index} has {prompt_ids.size} tokens, more than wire.max_prompt_tokens "
                     f"({self.max_prompt_tokens}); raise the limit or shorten the task's prompts"
+                )
+            if self.vocab_size is not None and int(prompt_ids.max()) >= self.vocab_size:
+                raise PlanError(
+                    f"prompt {prompt_index} encodes to token id {int(prompt_ids.max())}, past the model's "
+                    f"vocabulary (wire.vocab_size = {self.vocab_size}): the prompt tokenizer does not fit "
+                    "model.name_or_path"
                 )
             payload = {str(k): str(v) for k, v in problem.payload().items()}
             group = GroupPlan(

@@ -319,6 +319,7 @@ class Coordinator:
             max_inflight_batches=self.ccfg.max_inflight_batches,
             total_batches=self.ccfg.total_batches,
             max_prompt_tokens=self.cfg.wire.max_prompt_tokens,
+            vocab_size=self.cfg.wire.vocab_size,
             version_hint=lambda: self.published_version,
             clock=self.clock,
         )

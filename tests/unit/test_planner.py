@@ -54,6 +54,7 @@ def make_planner(
     total=None,
     encode_fn=encode,
     max_prompt_tokens=None,
+    vocab_size=None,
     task_cfg=None,
 ):
     saved = {} if saved is None else saved
@@ -70,6 +71,7 @@ def make_planner(
         max_inflight_batches=max_inflight,
         total_batches=total,
         max_prompt_tokens=max_prompt_tokens,
+        vocab_size=vocab_size,
         clock=lambda: 1000.0,
     )
     return planner, saved
@@ -179,6 +181,11 @@ def test_bad_prompts_are_plan_errors():
     planner, _ = make_planner(encode_fn=lambda text: [])
     with pytest.raises(PlanError, match="no tokens"):
         planner.plan_ahead()
+    planner, _ = make_planner(encode_fn=lambda text: [3, 64], vocab_size=64)  # a tokenizer the model cannot embed
+    with pytest.raises(PlanError, match=r"token id 64, past the model's vocabulary \(wire.vocab_size = 64\)"):
+        planner.plan_ahead()
+    planner, _ = make_planner(encode_fn=lambda text: [3, 63], vocab_size=64)
+    assert planner.plan_ahead() == [0, 1]
 
 
 @pytest.mark.parametrize("sent_before_crash", [0, 2])
