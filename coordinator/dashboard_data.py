@@ -82,7 +82,7 @@ class DashboardData:
             raise ValueError(f"since must be >= 0, got {since}")
         core = self.core
         status, (syncs, _) = self.on_coordinator(lambda: (core.status(), core.sync_history(limit=100)))
-        rows = self.store.step_rows(since, MAX_STEP_ROWS)
+        first, rows = self.store.step_rows(since, MAX_STEP_ROWS)
         counts = status.counts
         return finite({
             "now": self.clock(),
@@ -101,7 +101,7 @@ class DashboardData:
             "samplers": [self._sampler(v, status) for v in status.samplers],
             "syncs": [self._sync(s) for s in syncs],
             "deadletters": {"length": status.deadletter_length, "recent": self.dead_letters()},
-            "steps": {"from": since, "rows": rows},
+            "steps": {"from": first, "rows": rows},
         })
 
     @staticmethod

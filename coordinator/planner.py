@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -115,24 +115,38 @@ class BatchCounts:
 
 
 class BatchLedger:
-    """Every planned batch by id, with its status transitions. Persists through `save` on each change."""
+    """Every planned batch by id, with its status transitions. Each change is saved through `save` before it
+    is applied in memory (a save that raises leaves the ledger as it was).
 
-    def __init__(self, records: Iterable[BatchRecord] = (), *, save: Callable[[BatchRecord], None]) -> None:
+    A long run does not keep every batch: the trained batches below the last `keep` trained ones are
+    archived (`archive`): their records leave memory and Redis, and only their number stays
+    (`num_archived`; batch ids start there).
+    """
+
+    def __init__(
+        self, records: Iterable[BatchRecord] = (), *, save: Callable[[BatchRecord], None], num_archived: int = 0
+    ) -> None:
         self._records: dict[int, BatchRecord] = {r.batch_id: r for r in records}
         self._save = save
+        self.num_archived = num_archived
         ids = sorted(self._records)
-        if ids != list(range(len(ids))):
+        if ids != list(range(num_archived, num_archived + len(ids))):
             raise PlanError(
-                f"persisted batch plan has gaps: batch ids {ids[:10]}...; the run's state is corrupt"
+                f"persisted batch plan has gaps: batch ids {ids[:10]}... after {num_archived} archived; the run's "
+                "state is corrupt"
             )
-        self._trained_through = -1
+        self._trained_through = num_archived - 1
         self._advance_trained_through()
 
     def __len__(self) -> int:
-        return len(self._records)
+        """Batches planned so far (archived included): the id of the next batch."""
+        return self.num_archived + len(self._records)
 
     def __contains__(self, batch_id: int) -> bool:
         return batch_id in self._records
+
+    def is_archived(self, batch_id: int) -> bool:
+        return 0 <= batch_id < self.num_archived
 
     def get(self, batch_id: int) -> BatchRecord:
         return self._records[batch_id]
@@ -141,7 +155,7 @@ class BatchLedger:
         self, *, start: int = 0, status: str | None = None, limit: int | None = None
     ) -> list[BatchRecord]:
         out = []
-        for batch_id in range(max(start, 0), len(self._records)):
+        for batch_id in range(max(start, self.num_archived), len(self)):
             record = self._records[batch_id]
             if status is None or record.status == status:
                 out.append(record)
@@ -158,9 +172,9 @@ class BatchLedger:
         return self._trained_through + 1
 
     def add(self, record: BatchRecord) -> None:
-        assert record.batch_id == len(self._records), (record.batch_id, len(self._records))
-        self._records[record.batch_id] = record
+        assert record.batch_id == len(self), (record.batch_id, len(self))
         self._save(record)
+        self._records[record.batch_id] = record
 
     def update(self, record: BatchRecord) -> None:
         assert self._records.get(record.batch_id) is record
@@ -169,25 +183,53 @@ class BatchLedger:
     def mark_complete(self, batch_id: int, *, now: float) -> BatchRecord:
         record = self._records[batch_id]
         if record.status == "planned":
-            record.status = "complete"
-            record.complete_at = now
+            record = replace(record, status="complete", complete_at=now)
             self._save(record)
+            self._records[batch_id] = record
         return record
+
+    def trained(
+        self, batch_id: int, *, step: int, now: float, rollouts_by_sampler: Mapping[str, int] | None = None
+    ) -> BatchRecord:
+        """Batch `batch_id` as trained at `step` (a copy; `put` applies it). `step` -1: trained at a step the
+        coordinator does not know (a later report proved it trained, see `Coordinator.report_step`)."""
+        record = self._records[batch_id]
+        return replace(
+            record,
+            status="trained",
+            complete_at=record.complete_at or now,
+            trained_at=now,
+            trained_step=step,
+            rollouts_by_sampler=dict(rollouts_by_sampler or {}),
+        )
 
     def mark_trained(
         self, batch_id: int, *, step: int, now: float, rollouts_by_sampler: Mapping[str, int] | None = None
     ) -> BatchRecord:
+        """`trained`, saved and applied (a batch already trained stays as it is)."""
         record = self._records[batch_id]
         if record.status != "trained":
-            if not record.complete_at:
-                record.complete_at = now
-            record.status = "trained"
-            record.trained_at = now
-            record.trained_step = step
-            record.rollouts_by_sampler = dict(rollouts_by_sampler or {})
+            record = self.trained(batch_id, step=step, now=now, rollouts_by_sampler=rollouts_by_sampler)
             self._save(record)
-            self._advance_trained_through()
+            self.put(record)
         return record
+
+    def put(self, record: BatchRecord) -> None:
+        """Apply a record already saved (e.g. by `trained`'s caller, with other state in one transaction)."""
+        assert record.batch_id in self._records, record.batch_id
+        self._records[record.batch_id] = record
+        self._advance_trained_through()
+
+    def archivable(self, keep: int) -> list[int]:
+        """Trained batches below the last `keep` trained ones (what `archive` would drop)."""
+        return list(range(self.num_archived, max(self.num_archived, self._trained_through + 1 - keep)))
+
+    def archive(self, batch_ids: Sequence[int]) -> None:
+        """Drop the records of `batch_ids` (from `archivable`; their removal from Redis is the caller's)."""
+        for batch_id in batch_ids:
+            assert batch_id == self.num_archived and self._records[batch_id].status == "trained", batch_id
+            del self._records[batch_id]
+            self.num_archived += 1
 
     def _advance_trained_through(self) -> None:
         k = self._trained_through + 1
@@ -202,8 +244,8 @@ class BatchLedger:
         return BatchCounts(
             planned=by_status["planned"],
             complete=by_status["complete"],
-            trained=by_status["trained"],
-            total=len(self._records),
+            trained=by_status["trained"] + self.num_archived,
+            total=len(self),
             trained_through=self._trained_through,
             limit=limit or 0,
         )
@@ -382,7 +424,8 @@ class BatchPlanner:
 
     def _finish_last_write(self) -> None:
         """Finish the last batch's write if it failed part-way (nothing was written after it since)."""
-        if len(self.ledger) and not (record := self.ledger.get(len(self.ledger) - 1)).tasks_written:
+        last = len(self.ledger) - 1
+        if last in self.ledger and not (record := self.ledger.get(last)).tasks_written:
             self._finish_write(record)
 
     def recover(self) -> list[int]:

@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class SamplerView:
 
 
 class SamplerRegistry:
-    """Samplers by id; persists each change through `save`. Subscriptions are counted in memory only."""
+    """Samplers by id; saves each change through `save` before applying it. Subscriptions are counted in
+    memory only."""
 
     def __init__(
         self,
@@ -84,6 +85,21 @@ class SamplerRegistry:
     def get(self, sampler_id: str) -> SamplerRecord | None:
         return self._records.get(sampler_id)
 
+    def records(self) -> list[SamplerRecord]:
+        return [self._records[sid] for sid in sorted(self._records)]
+
+    def forgettable(self, after_s: float, now: float | None = None) -> list[str]:
+        """Samplers silent for longer than `after_s` (lost long ago: a replaced container's id)."""
+        now = self.clock() if now is None else now
+        return sorted(sid for sid, r in self._records.items() if now - r.last_heartbeat_at > after_s)
+
+    def forget(self, sampler_ids: Iterable[str]) -> None:
+        """Drop `sampler_ids` from memory (their removal from Redis is the caller's)."""
+        for sampler_id in sampler_ids:
+            self._records.pop(sampler_id, None)
+            self._reported_lost.discard(sampler_id)
+            logger.info("sampler %s forgotten (lost for long)", sampler_id)
+
     def register(self, sampler_id: str, *, weight_version: int, hostname: str, pid: int) -> SamplerRecord:
         now = self.clock()
         previous = self._records.get(sampler_id)
@@ -95,9 +111,9 @@ class SamplerRegistry:
             registered_at=now,
             last_heartbeat_at=now,
         )
+        self._save(record)
         self._records[sampler_id] = record
         self._reported_lost.discard(sampler_id)
-        self._save(record)
         if previous is None:
             logger.info(
                 "sampler %s registered (host %s, pid %d, version %d)",
@@ -120,34 +136,42 @@ class SamplerRegistry:
         self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int, num_rollouts: int,
         num_tokens: int = 0,
     ) -> SamplerRecord:
-        record = self._records[sampler_id]
-        record.last_heartbeat_at = self.clock()
-        record.weight_version = weight_version
-        record.num_inflight_tasks = num_inflight_tasks
-        record.num_rollouts = num_rollouts
-        record.num_tokens = num_tokens
+        record = self._change(
+            self._records[sampler_id],
+            last_heartbeat_at=self.clock(),
+            weight_version=weight_version,
+            num_inflight_tasks=num_inflight_tasks,
+            num_rollouts=num_rollouts,
+            num_tokens=num_tokens,
+        )
         if sampler_id in self._reported_lost:
             self._reported_lost.discard(sampler_id)
             logger.info("sampler %s is back (heartbeat)", sampler_id)
-        self._save(record)
         return record
 
     def set_version(self, sampler_id: str, weight_version: int, *, healthy: bool) -> SamplerRecord:
         record = self._records[sampler_id]
-        record.weight_version = weight_version
-        if healthy and record.unhealthy_reason:
+        recovered = healthy and bool(record.unhealthy_reason)
+        record = self._change(
+            record, weight_version=weight_version, unhealthy_reason="" if recovered else record.unhealthy_reason
+        )
+        if recovered:
             logger.info("sampler %s is healthy again (loaded version %d)", sampler_id, weight_version)
-            record.unhealthy_reason = ""
-        self._save(record)
         return record
 
     def mark_unhealthy(self, sampler_id: str, reason: str) -> None:
         record = self._records.get(sampler_id)
         if record is None:
             return
+        self._change(record, unhealthy_reason=reason)
         logger.warning("sampler %s is unhealthy: %s", sampler_id, reason)
-        record.unhealthy_reason = reason
+
+    def _change(self, record: SamplerRecord, **changes: Any) -> SamplerRecord:
+        """Save `record` with `changes`, then apply it (a save that raises changes nothing)."""
+        record = replace(record, **changes)
         self._save(record)
+        self._records[record.sampler_id] = record
+        return record
 
     def subscribed(self, sampler_id: str, delta: int) -> None:
         count = self._subscriptions.get(sampler_id, 0) + delta

@@ -13,6 +13,7 @@ Not thread-safe: the server calls it from one worker thread.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -20,8 +21,9 @@ import re
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from coordinator.planner import BATCH_STATUSES, BatchCounts, BatchLedger, BatchPlanner, BatchRecord
@@ -34,7 +36,7 @@ from coordinator.stalls import (
     stalled_for,
     track_progress,
 )
-from coordinator.state import CoordinatorStore, TasksStream
+from coordinator.state import CoordinatorStore, StateWrite, TasksStream
 from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide, describe
 from coordinator.syncs import SyncRecord, SyncTracker, WeightUpdateInfo
 from rlcommon.bus import StreamProducer, stream_key
@@ -59,6 +61,7 @@ LOCK_TTL_S = 15.0
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 MAX_STAT_KEY_CHARS = 128
 MAX_TEXT_CHARS = 4096
+MAX_PENDING_TRIGGERS = 64
 
 
 class CoordinatorError(Exception):
@@ -213,6 +216,13 @@ class Coordinator:
         """The batch whose stall was last logged as waiting for a live sampler (logged once per batch)."""
         self.slots_reissued = 0
         """Slots of stalled batches re-issued in this run (the ledger's `reissued_slots`, summed)."""
+        self._slots_reissued_archived = 0
+        self._step_rows: deque[str] = deque(maxlen=max(1, self.ccfg.keep_step_rows))
+        """The last `keep_step_rows` rows of the step series as stored (JSON), to write them back."""
+        self._steps_total = 0
+        """Rows appended to the step series over the run (the next row's number)."""
+        self._meta: dict[str, Any] = {}
+        self._next_state_check = 0.0
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -272,10 +282,12 @@ class Coordinator:
         }
 
     def _load(self) -> None:
-        meta = self._plan_meta()
+        meta = self._meta = self._plan_meta()
+        self.store.whole_state = self._whole_state
+        self.store.load_seq()
         saved = self.store.load_meta()
         if saved is None:
-            self.store.save_meta(meta)
+            self.store.commit(StateWrite(meta=meta))
         elif saved != meta:
             diffs = [
                 f"{key}: run has {saved.get(key)!r}, config has {meta[key]!r}"
@@ -293,9 +305,16 @@ class Coordinator:
         if "last_step" in values:
             self._last_step = StepReportView(**values["last_step"])
         self._pending_publish = values.get("pending_publish")
+        self._slots_reissued_archived = int(values.get("slots_reissued_archived", 0))
+        self._step_rows.extend(self.store.load_step_json(self.ccfg.keep_step_rows))
+        self._steps_total = int(values.get("steps_dropped", 0)) + len(self._step_rows)
 
-        self.ledger = BatchLedger(self.store.load_batches(), save=self.store.save_batch)
-        self.slots_reissued = sum(r.reissued_slots for r in self.ledger.records())
+        self.ledger = BatchLedger(
+            self.store.load_batches(),
+            save=self.store.save_batch,
+            num_archived=int(values.get("batches_archived", 0)),
+        )
+        self.slots_reissued = self._slots_reissued_archived + sum(r.reissued_slots for r in self.ledger.records())
         self.samplers = SamplerRegistry(
             self.store.load_samplers(),
             save=self.store.save_sampler,
@@ -307,6 +326,7 @@ class Coordinator:
             save=self.store.save_sync,
             ack_timeout_s=self.ccfg.sync_ack_timeout_s,
             clock=self.clock,
+            num_archived=int(values.get("syncs_archived", 0)),
         )
         self.triggers = ManualTriggers(self.store.load_triggers())
         self.planner = BatchPlanner(
@@ -351,9 +371,14 @@ class Coordinator:
             )
 
     def tick(self) -> None:
-        """Periodic work: lost samplers, ack deadlines, planning retries, the run lock."""
+        """Periodic work: the state in Redis, lost samplers, ack deadlines, planning retries, the run lock."""
         assert self._started
+        self._check_state()
         self.samplers.report_lost()
+        forgotten = self.samplers.forgettable(self.ccfg.forget_lost_sampler_s)
+        if forgotten:
+            self.store.commit(StateWrite(drop_samplers=forgotten))
+            self.samplers.forget(forgotten)
         active = self.syncs.active
         if active is not None:
             now = self.clock()
@@ -372,6 +397,45 @@ class Coordinator:
                 "lost the lock of run '%s' to another coordinator; two coordinators must not share a run",
                 self.run_id,
             )
+
+    def _check_state(self) -> None:
+        """Every `state_check_s`: does Redis still hold what this coordinator wrote? If not (Redis restarted
+        and lost the last writes, or came back empty), write the whole state back."""
+        now = time.monotonic()
+        if now < self._next_state_check and not self.store.out_of_date:
+            return
+        self._next_state_check = now + self.ccfg.state_check_s
+        if not self.store.verify():
+            self.store.rewrite("Redis does not hold the coordinator's last writes")
+
+    def _whole_state(self) -> StateWrite:
+        """Everything the coordinator persists, as one write (`CoordinatorStore.rewrite`)."""
+        return StateWrite(
+            meta=self._meta,
+            values={**self._scalar_values(), **self._archive_values()},
+            batches=self.ledger.records(),
+            samplers=self.samplers.records(),
+            syncs=self.syncs.history(),
+            steps=list(self._step_rows),
+            push_triggers=self.triggers.pending(),
+            replace_all=True,
+        )
+
+    def _scalar_values(self) -> dict[str, Any]:
+        return {
+            "published": self._published.to_dict() if self._published is not None else None,
+            "trainer_version": self._trainer_version,
+            "last_step": self._last_step.__dict__ if self._last_step is not None else None,
+            "pending_publish": self._pending_publish,
+        }
+
+    def _archive_values(self) -> dict[str, Any]:
+        return {
+            "batches_archived": self.ledger.num_archived,
+            "slots_reissued_archived": self._slots_reissued_archived,
+            "syncs_archived": self.syncs.num_archived,
+            "steps_dropped": self._steps_total - len(self._step_rows),
+        }
 
     @property
     def tick_interval_s(self) -> float:
@@ -496,14 +560,29 @@ class Coordinator:
 
     def _planned_batch(self, batch_id: int) -> BatchRecord:
         _non_negative("batch_id", batch_id)
+        if self.ledger.is_archived(batch_id):
+            raise InvalidArgument(
+                "batch_id",
+                f"batch {batch_id} was trained and its record archived (the coordinator keeps the last "
+                f"{self.ccfg.keep_trained_batches} trained batches, coordinator.keep_trained_batches)",
+            )
         if batch_id not in self.ledger:
             planned = f"0..{len(self.ledger) - 1}" if len(self.ledger) else "none"
             raise InvalidArgument("batch_id", f"batch {batch_id} is not planned (planned batches: {planned})")
         return self.ledger.get(batch_id)
 
+    def _archived_batch(self, batch_id: int) -> BatchRecord | None:
+        """What a replaying trainer is told of a batch trained so long ago that its record is archived."""
+        if not self.ledger.is_archived(batch_id):
+            return None
+        return BatchRecord(batch_id=batch_id, status="trained", group_size=self.ccfg.group_size, groups=[],
+                           planned_at=0.0)
+
     def mark_batch_complete(self, batch_id: int, *, num_rollouts: int = 0) -> BatchRecord:
-        record = self._planned_batch(batch_id)
         _non_negative("num_rollouts", num_rollouts)
+        if (archived := self._archived_batch(batch_id)) is not None:
+            return archived
+        record = self._planned_batch(batch_id)
         expected = len(record.groups) * record.group_size
         if num_rollouts and num_rollouts != expected:
             raise InvalidArgument(
@@ -520,6 +599,8 @@ class Coordinator:
         Re-issues the missing slots once the batch has stalled for `coordinator.batch_stall_s`, and again
         each further stall (see `stalls`); not while no sampler is live (nobody could sample them, and the
         tasks already queued reach the first sampler back)."""
+        if (archived := self._archived_batch(batch_id)) is not None:
+            return ProgressAnswer([], 0.0, archived)
         record = self._planned_batch(batch_id)
         num_slots = len(record.groups) * record.group_size
         filled = set()
@@ -574,21 +655,39 @@ class Coordinator:
         rollouts_by_sampler: Mapping[str, int] | None = None,
     ) -> StepAnswer:
         """Mark `batch_id` trained (with which samplers produced it), plan ahead, and answer whether to
-        publish (see `sync_policy`)."""
+        publish (see `sync_policy`).
+
+        The trainer trains batches in plan order, so a report of batch k proves every batch before k trained:
+        when the ledger lacks some (Redis lost the writes that marked them), they are marked trained at an
+        unknown step (-1; a later report of the same batch adopts its step). Nothing is applied in memory before
+        its one transaction is written: a report that fails (Redis unreachable) changes nothing, and its retry
+        is handled as a first report."""
         _non_negative("step", step)
         _non_negative("weight_version", weight_version)
-        record = self._planned_batch(batch_id)
         clean_stats = self._check_stats(stats)
+        if self.ledger.is_archived(batch_id):  # a replay older than the ledger keeps: trained long ago
+            return self._replayed_answer(step)
+        record = self._planned_batch(batch_id)
         by_sampler = self._check_rollouts_by_sampler(rollouts_by_sampler or {}, record)
-        if record.status == "trained" and record.trained_step == step:
+        if record.status == "trained" and record.trained_step in (step, -1):
             # A retry of a report whose answer was lost, or a trainer that resumed from a checkpoint older
             # than this step and trains it again: the answer it got the first time, nothing recorded twice.
+            if record.trained_step == -1:
+                adopted = replace(record, trained_step=step, rollouts_by_sampler=by_sampler)
+                self.store.commit(StateWrite(batches=[adopted]))
+                self.ledger.put(adopted)
             return self._replayed_answer(step)
-        if record.status != "trained" and batch_id != self.ledger.trained_through + 1:
-            raise FailedPrecondition(
-                "batch_id",
-                f"batches are trained in plan order: batch {self.ledger.trained_through + 1} is not trained yet, "
-                f"got batch {batch_id}",
+        now = self.clock()
+        proven = []
+        if record.status != "trained" and batch_id > self.ledger.trained_through + 1:
+            proven = [
+                self.ledger.trained(k, step=-1, now=now)
+                for k in range(self.ledger.trained_through + 1, batch_id)
+                if self.ledger.get(k).status != "trained"
+            ]
+            logger.warning(
+                "step %d trains batch %d, so batches %d..%d were trained before it, but the ledger lacks that (Redis "
+                "lost the writes): marked trained", step, batch_id, proven[0].batch_id, proven[-1].batch_id,
             )
         try:
             decision = decide(
@@ -603,27 +702,53 @@ class Coordinator:
             )
         except PolicyInputError as err:
             raise InvalidArgument(err.field, err.reason) from None
-        now = self.clock()
-        if self.triggers.pending():
-            self.triggers.take()
-            self.store.clear_triggers()
-        self.ledger.mark_trained(batch_id, step=step, now=now, rollouts_by_sampler=by_sampler)
+        trained = self.ledger.trained(batch_id, step=step, now=now, rollouts_by_sampler=by_sampler)
+        last_step = StepReportView(step, batch_id, weight_version, clean_stats, decision.publish, decision.reason, now)
+        pending_publish = {"step": step, "reason": decision.reason} if decision.publish else self._pending_publish
+        archived = list(range(self.ledger.num_archived,
+                              max(self.ledger.num_archived, batch_id + 1 - self.ccfg.keep_trained_batches)))
+        archived_slots = sum(
+            (trained if k == batch_id else self.ledger.get(k)).reissued_slots for k in archived
+        )
+        keep_rows = self.ccfg.keep_step_rows
+        row = json.dumps({**clean_stats, "step": step, "batch_id": batch_id, "weight_version": weight_version,
+                          "publish": decision.publish, "reason": decision.reason, "time": now,
+                          "row": self._steps_total})  # NaN and inf are kept (JSON's extension): a reader cleans them
+        self.store.commit(StateWrite(
+            values={
+                "trainer_version": weight_version,
+                "last_step": last_step.__dict__,
+                "pending_publish": pending_publish,
+                "batches_archived": self.ledger.num_archived + len(archived),
+                "slots_reissued_archived": self._slots_reissued_archived + archived_slots,
+                "steps_dropped": max(0, self._steps_total + 1 - keep_rows) if keep_rows else self._steps_total + 1,
+            },
+            batches=[*proven, trained],
+            drop_batches=archived,
+            steps=[row] if keep_rows else [],
+            keep_step_rows=keep_rows,
+            clear_triggers=bool(self.triggers.pending()),
+        ))
+        # Written: apply.
+        for done in [*proven, trained]:
+            self.ledger.put(done)
+        self.ledger.archive(archived)
+        self._slots_reissued_archived += archived_slots
+        self.triggers.take()
         self._trainer_version = weight_version
-        self._last_step = StepReportView(
-            step, batch_id, weight_version, clean_stats, decision.publish, decision.reason, now
-        )
-        if decision.publish:
-            self._pending_publish = {"step": step, "reason": decision.reason}
-        self.store.save_values(
-            trainer_version=weight_version,
-            last_step=self._last_step.__dict__,
-            pending_publish=self._pending_publish,
-        )
-        self.store.append_step({**clean_stats, "step": step, "batch_id": batch_id, "weight_version": weight_version,
-                                "publish": decision.publish, "reason": decision.reason, "time": now})
+        self._last_step = last_step
+        self._pending_publish = pending_publish
+        if keep_rows:
+            self._step_rows.append(row)
+        self._steps_total += 1
         logger.info("step %d (batch %d): publish=%s (%s)", step, batch_id, decision.publish, decision.reason)
         self._plan_ahead()
-        return StepAnswer(decision, self.published_version + 1, self.ledger.counts(self.ccfg.total_batches))
+        return StepAnswer(decision, self._next_version(weight_version), self.ledger.counts(self.ccfg.total_batches))
+
+    def _next_version(self, trainer_version: int = 0) -> int:
+        """The number of the next version to publish: after the published one, and after the trainer's own
+        (a trainer ahead of the published version had an announce that Redis lost)."""
+        return max(self.published_version, trainer_version) + 1
 
     def _replayed_answer(self, step: int) -> StepAnswer:
         """The answer to a report of an already trained step: publish the version published at that step
@@ -634,10 +759,10 @@ class Coordinator:
             return StepAnswer(SyncDecision(True, announced.reason), announced.weight_version, counts)
         pending = self._pending_publish
         if pending is not None and pending["step"] == step:
-            return StepAnswer(SyncDecision(True, pending["reason"]), self.published_version + 1, counts)
+            return StepAnswer(SyncDecision(True, pending["reason"]), self._next_version(), counts)
         last = self._last_step
         reason = last.reason if last is not None and last.step == step else f"step {step} was reported before"
-        return StepAnswer(SyncDecision(False, reason), self.published_version + 1, counts)
+        return StepAnswer(SyncDecision(False, reason), self._next_version(), counts)
 
     @staticmethod
     def _check_rollouts_by_sampler(counts: Mapping[str, int], record: BatchRecord) -> dict[str, int]:
@@ -685,7 +810,14 @@ class Coordinator:
         _non_negative("step", step)
         existing = self.syncs.by_version(weight_version)
         if existing is not None and (existing.sha256, existing.path) == (sha256, path):
-            return existing, None  # a retry, or a trainer replaying the step that published this version
+            # A retry, or a trainer replaying the step that published this version: written again (Redis may
+            # have lost the first write) and handed back for a broadcast again (the broadcaster ignores a
+            # version its subscribers already have).
+            latest = self._published if self.published_version == weight_version else None
+            self.store.commit(StateWrite(
+                syncs=[existing], values={"published": latest.to_dict()} if latest is not None else {}
+            ))
+            return existing, latest
         published = self._published
         if published is not None and weight_version == published.weight_version:
             raise InvalidArgument(
@@ -711,6 +843,19 @@ class Coordinator:
             and rec.weight_version < weight_version
             and not rec.unhealthy_reason
         ]
+        archived = self.syncs.archivable(self.ccfg.keep_syncs - 1)
+        updates: list[WeightUpdateInfo] = []
+
+        def commit(records: list[SyncRecord]) -> None:
+            update = WeightUpdateInfo(weight_version, path, sha256, step, reason, now, records[-1].sync_id)
+            self.store.commit(StateWrite(
+                syncs=records,
+                drop_syncs=archived,
+                values={"published": update.to_dict(), "pending_publish": None,
+                        "syncs_archived": self.syncs.num_archived + len(archived)},
+            ))
+            updates.append(update)
+
         sync = self.syncs.start(
             weight_version=weight_version,
             step=step,
@@ -718,12 +863,12 @@ class Coordinator:
             path=path,
             sha256=sha256,
             expected=expected,
+            commit=commit,
         )
-        update = WeightUpdateInfo(weight_version, path, sha256, step, reason, now, sync.sync_id)
-        self._published = update
+        self.syncs.archive(archived)
+        self._published = updates[0]
         self._pending_publish = None
-        self.store.save_values(published=update.to_dict(), pending_publish=None)
-        return sync, update
+        return sync, updates[0]
 
     # --------------------------------------------------------------------------------------- anyone
 
@@ -733,10 +878,17 @@ class Coordinator:
             text = ManualTriggers.check_reason(reason)
         except PolicyInputError as err:
             raise InvalidArgument(err.field, err.reason) from None
-        self.store.push_trigger(text)
+        if len(self.triggers) >= MAX_PENDING_TRIGGERS:
+            raise FailedPrecondition(
+                "reason", f"{len(self.triggers)} manual syncs are pending already (at most {MAX_PENDING_TRIGGERS}); "
+                "the next trained step answers them all"
+            )
+        self.store.commit(StateWrite(push_triggers=[text]))
         self.triggers.add(text)
         logger.info("manual sync requested: %s", text)
         return self.triggers.pending()
+
+    # --------------------------------------------------------------------------------------- anyone
 
     def batch_plan(self, batch_id: int) -> BatchRecord:
         return self._planned_batch(batch_id)

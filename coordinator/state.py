@@ -5,15 +5,20 @@ Keys, all under `dlc:<run_id>:coord:` (values are JSON):
 | key | type | holds |
 |---|---|---|
 | `meta` | hash | what the plan depends on (B, G, task settings): a restart with other values is refused |
-| `state` | hash | `published` (latest weight update), `trainer_version`, `last_step`, `pending_publish` |
-| `batches` | hash | batch id -> plan and ledger entry (`planner.BatchRecord`) |
+| `state` | hash | `published` (latest weight update), `trainer_version`, `last_step`, `pending_publish`, what was archived (`batches_archived`, `slots_reissued_archived`, `syncs_archived`, `steps_dropped`), and `write_seq` |
+| `batches` | hash | batch id -> plan and ledger entry (`planner.BatchRecord`); the last `keep_trained_batches` trained ones and every later one |
 | `samplers` | hash | sampler id -> `samplers.SamplerRecord` |
-| `syncs` | hash | sync id -> `syncs.SyncRecord` |
+| `syncs` | hash | sync id -> `syncs.SyncRecord` (the last `keep_syncs`) |
 | `manual_triggers` | list | reasons of manual syncs not yet answered |
-| `steps` | list | one JSON row per reported step (its statistics, batch, version, sync answer, time): the dashboard's series |
+| `steps` | list | one JSON row per reported step (its statistics, batch, version, sync answer, time): the dashboard's series (the last `keep_step_rows`) |
 | `lock` | string | owner of the run (one coordinator per run), with a TTL renewed while it runs |
 
-Every write goes through `RedisConnection.call` (retries with backoff while Redis reconnects).
+Every write is one MULTI/EXEC (`StateWrite`), sent through `RedisConnection.call` (retries with backoff while
+Redis reconnects), and the coordinator applies a change in memory only after its write succeeded. Each write
+also increments `state.write_seq`; the store knows the value it expects. A write whose outcome is unknown (it
+raised), a sequence number that is not the expected one after a write, or one found different by `verify`
+(Redis restarted and lost the last writes of `appendfsync everysec`, or came back empty) mark the store out
+of date: before its next write it writes the coordinator's whole state back (`rewrite`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from coordinator.planner import BatchRecord
@@ -29,9 +35,10 @@ from coordinator.syncs import SyncRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["coord_key", "CoordinatorStore", "TasksStream"]
+__all__ = ["coord_key", "CoordinatorStore", "StateWrite", "TasksStream"]
 
 T = TypeVar("T")
+SEQ_FIELD = "write_seq"
 
 
 def coord_key(run_id: str, name: str) -> str:
@@ -43,12 +50,42 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+@dataclass
+class StateWrite:
+    """One change of the coordinator's state, written in one MULTI/EXEC (`CoordinatorStore.commit`)."""
+
+    meta: dict[str, Any] | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    """Fields of `state` (JSON); a None value deletes the field."""
+    batches: list[BatchRecord] = field(default_factory=list)
+    drop_batches: list[int] = field(default_factory=list)
+    samplers: list[SamplerRecord] = field(default_factory=list)
+    drop_samplers: list[str] = field(default_factory=list)
+    syncs: list[SyncRecord] = field(default_factory=list)
+    drop_syncs: list[int] = field(default_factory=list)
+    steps: list[str] = field(default_factory=list)
+    """JSON rows appended to the step series."""
+    keep_step_rows: int | None = None
+    """Trim the step series to its last this many rows (None: no trim)."""
+    push_triggers: list[str] = field(default_factory=list)
+    clear_triggers: bool = False
+    replace_all: bool = False
+    """Delete every state key first (a whole-state write-back): what the write holds is the whole state."""
+
+
 class CoordinatorStore:
     """Reads and writes the coordinator's state for one run id (see the module docstring)."""
 
     def __init__(self, conn: Any, run_id: str) -> None:
         self._conn = conn
         self.run_id = run_id
+        self.expected_seq: int | None = None
+        """`state.write_seq` after this store's last write (None: not known yet, read by `load_seq`)."""
+        self.out_of_date = False
+        """Redis may not hold the coordinator's state: the next write writes the whole state back first."""
+        self.whole_state: Callable[[], StateWrite] | None = None
+        """The coordinator's whole state as one write (set by the coordinator; used by `rewrite`)."""
+        self.num_rewrites = 0
 
     def key(self, name: str) -> str:
         return coord_key(self.run_id, name)
@@ -57,87 +94,163 @@ class CoordinatorStore:
         """Run `fn(client)` with the connection's reconnect-and-retry policy."""
         return self._conn.call(fn)
 
-    # -------------------------------------------------------------------------------------------- meta
+    # ----------------------------------------------------------------------------------------- writes
+
+    def commit(self, write: StateWrite) -> None:
+        """Write `write` in one MULTI/EXEC (after writing the whole state back if Redis may have lost some).
+        Raises what the connection raises (BusUnavailableError past the reconnect budget); the store is then
+        out of date, since the transaction may or may not have been applied."""
+        if self.out_of_date and not write.replace_all:
+            self.rewrite()
+        self._exec(write)
+
+    def save_batch(self, record: BatchRecord) -> None:
+        self.commit(StateWrite(batches=[record]))
+
+    def save_sampler(self, record: SamplerRecord) -> None:
+        self.commit(StateWrite(samplers=[record]))
+
+    def save_sync(self, record: SyncRecord) -> None:
+        self.commit(StateWrite(syncs=[record]))
+
+    def rewrite(self, reason: str = "") -> None:
+        """Write the coordinator's whole state back (see the module docstring)."""
+        assert self.whole_state is not None, "the coordinator sets whole_state before writing"
+        if reason:
+            logger.warning("writing the coordinator's whole state back to Redis: %s", reason)
+        self._exec(self.whole_state())
+        self.num_rewrites += 1
+
+    def _exec(self, write: StateWrite) -> None:
+        ops = self._ops(write)
+
+        def transact(r: Any) -> int:
+            pipe = r.pipeline(transaction=True)
+            for op in ops:
+                op(pipe)
+            if write.replace_all:
+                pipe.hset(self.key("state"), SEQ_FIELD, str(self.expected_seq or 0))
+            pipe.hincrby(self.key("state"), SEQ_FIELD, 1)
+            return int(pipe.execute()[-1])
+
+        try:
+            seq = self._call(transact)
+        except Exception:
+            self.out_of_date = True
+            raise
+        expected = None if self.expected_seq is None else self.expected_seq + 1
+        if write.replace_all:
+            self.out_of_date = False
+        elif expected is not None and seq != expected:
+            # Redis lost writes (a crash, a restart without the last second of its append-only file) or a
+            # retried transaction ran twice: what it holds is not what the coordinator wrote.
+            self.out_of_date = True
+            logger.warning("coordinator state in Redis is at write %d, expected %d", seq, expected)
+        self.expected_seq = seq
+
+    def _ops(self, write: StateWrite) -> list[Callable[[Any], Any]]:
+        """The Redis commands of one write, in order (each takes the transaction's pipeline)."""
+        ops: list[Callable[[Any], Any]] = []
+        if write.replace_all:
+            names = ("state", "batches", "samplers", "syncs", "manual_triggers", "steps")
+            ops.append(lambda p: p.delete(*(self.key(n) for n in names)))
+        if write.meta is not None:
+            meta = json.dumps(write.meta, sort_keys=True)
+            ops.append(lambda p: p.hset(self.key("meta"), "plan", meta))
+        to_set = {k: json.dumps(v) for k, v in write.values.items() if v is not None}
+        to_delete = [k for k, v in write.values.items() if v is None]
+        if to_set:
+            ops.append(lambda p: p.hset(self.key("state"), mapping=to_set))
+        if to_delete and not write.replace_all:
+            ops.append(lambda p: p.hdel(self.key("state"), *to_delete))
+        for name, records, field_of, drops in (
+            ("batches", write.batches, lambda r: r.batch_id, write.drop_batches),
+            ("samplers", write.samplers, lambda r: r.sampler_id, write.drop_samplers),
+            ("syncs", write.syncs, lambda r: r.sync_id, write.drop_syncs),
+        ):
+            mapping = {str(field_of(r)): json.dumps(r.to_dict()) for r in records}
+            if mapping:
+                ops.append(lambda p, name=name, mapping=mapping: p.hset(self.key(name), mapping=mapping))
+            if drops and not write.replace_all:
+                fields = [str(d) for d in drops]
+                ops.append(lambda p, name=name, fields=fields: p.hdel(self.key(name), *fields))
+        if write.clear_triggers:
+            ops.append(lambda p: p.delete(self.key("manual_triggers")))
+        if write.push_triggers:
+            ops.append(lambda p: p.rpush(self.key("manual_triggers"), *write.push_triggers))
+        if write.steps:
+            ops.append(lambda p: p.rpush(self.key("steps"), *write.steps))
+        if write.keep_step_rows is not None:
+            keep = write.keep_step_rows
+            ops.append(lambda p: p.ltrim(self.key("steps"), -keep, -1) if keep else p.delete(self.key("steps")))
+        return ops
+
+    def load_seq(self) -> int:
+        """`state.write_seq` as Redis has it now (0 when missing); becomes the expected value."""
+        raw = self._call(lambda r: r.hget(self.key("state"), SEQ_FIELD))
+        self.expected_seq = int(raw) if raw is not None else 0
+        return self.expected_seq
+
+    def verify(self) -> bool:
+        """Whether Redis holds the state this store last wrote (compares `write_seq`; its key gone, or a
+        lower value, means Redis lost writes). Marks the store out of date when it does not."""
+        raw = self._call(lambda r: r.hget(self.key("state"), SEQ_FIELD))
+        seq = int(raw) if raw is not None else None
+        if seq != self.expected_seq:
+            if not self.out_of_date:
+                logger.warning(
+                    "coordinator state in Redis is at write %s, expected %s: Redis lost writes (a restart or "
+                    "crash of redis-server)", seq, self.expected_seq,
+                )
+            self.out_of_date = True
+        return not self.out_of_date
+
+    # -------------------------------------------------------------------------------------------- reads
 
     def load_meta(self) -> dict[str, Any] | None:
         raw = self._call(lambda r: r.hget(self.key("meta"), "plan"))
         return None if raw is None else json.loads(raw)
 
-    def save_meta(self, meta: dict[str, Any]) -> None:
-        self._call(lambda r: r.hset(self.key("meta"), "plan", json.dumps(meta, sort_keys=True)))
-
-    # ---------------------------------------------------------------------------------------- scalars
-
     def load_values(self) -> dict[str, Any]:
         raw = self._call(lambda r: r.hgetall(self.key("state")))
-        return {_text(k): json.loads(v) for k, v in raw.items()}
-
-    def save_values(self, **values: Any) -> None:
-        """Set each value (JSON); a None value deletes the field."""
-        to_set = {k: json.dumps(v) for k, v in values.items() if v is not None}
-        to_delete = [k for k, v in values.items() if v is None]
-
-        def write(r: Any) -> None:
-            pipe = r.pipeline(transaction=True)
-            if to_set:
-                pipe.hset(self.key("state"), mapping=to_set)
-            if to_delete:
-                pipe.hdel(self.key("state"), *to_delete)
-            pipe.execute()
-
-        self._call(write)
-
-    # ---------------------------------------------------------------------------------------- records
+        return {_text(k): json.loads(v) for k, v in raw.items() if _text(k) != SEQ_FIELD}
 
     def _load_hash(self, name: str) -> list[dict[str, Any]]:
         raw = self._call(lambda r: r.hgetall(self.key(name)))
         return [json.loads(v) for v in raw.values()]
-
-    def _save_field(self, name: str, field: str | int, value: dict[str, Any]) -> None:
-        data = json.dumps(value)
-        self._call(lambda r: r.hset(self.key(name), str(field), data))
 
     def load_batches(self) -> list[BatchRecord]:
         return sorted(
             (BatchRecord.from_dict(d) for d in self._load_hash("batches")), key=lambda b: b.batch_id
         )
 
-    def save_batch(self, record: BatchRecord) -> None:
-        self._save_field("batches", record.batch_id, record.to_dict())
-
     def load_samplers(self) -> list[SamplerRecord]:
         return [SamplerRecord.from_dict(d) for d in self._load_hash("samplers")]
-
-    def save_sampler(self, record: SamplerRecord) -> None:
-        self._save_field("samplers", record.sampler_id, record.to_dict())
 
     def load_syncs(self) -> list[SyncRecord]:
         return sorted((SyncRecord.from_dict(d) for d in self._load_hash("syncs")), key=lambda s: s.sync_id)
 
-    def save_sync(self, record: SyncRecord) -> None:
-        self._save_field("syncs", record.sync_id, record.to_dict())
-
-    # ------------------------------------------------------------------------------------------ steps
-
-    def append_step(self, row: dict[str, Any]) -> None:
-        data = json.dumps(row)  # NaN and inf are kept (as JSON's NaN/Infinity extension): a reader cleans them
-        self._call(lambda r: r.rpush(self.key("steps"), data))
-
-    def step_rows(self, start: int, limit: int) -> list[dict[str, Any]]:
-        """Rows `start` .. `start + limit - 1` of the step series (fewer at its end)."""
-        raw = self._call(lambda r: r.lrange(self.key("steps"), start, start + limit - 1))
-        return [json.loads(v) for v in raw]
-
-    # ------------------------------------------------------------------------------------ manual syncs
-
     def load_triggers(self) -> list[str]:
         return [_text(v) for v in self._call(lambda r: r.lrange(self.key("manual_triggers"), 0, -1))]
 
-    def push_trigger(self, reason: str) -> None:
-        self._call(lambda r: r.rpush(self.key("manual_triggers"), reason))
+    def load_step_json(self, last: int) -> list[str]:
+        """The last `last` rows of the step series, as stored (JSON)."""
+        if last <= 0:
+            return []
+        return [_text(v) for v in self._call(lambda r: r.lrange(self.key("steps"), -last, -1))]
 
-    def clear_triggers(self) -> None:
-        self._call(lambda r: r.delete(self.key("manual_triggers")))
+    def step_rows(self, start: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """(first, rows): rows `first` .. `first + len(rows) - 1` of the step series (numbered from the run's
+        first report; each row holds its number as `row`), from `start`, or from the oldest row kept when
+        older ones were dropped (`keep_step_rows`)."""
+        dropped_raw = self._call(lambda r: r.hget(self.key("state"), "steps_dropped"))
+        dropped = int(json.loads(dropped_raw)) if dropped_raw is not None else 0
+        first = max(start, dropped)
+        raw = self._call(lambda r: r.lrange(self.key("steps"), first - dropped, first - dropped + limit - 1))
+        rows = [json.loads(v) for v in raw]
+        if rows and isinstance(rows[0].get("row"), int):  # a trim between the two reads shifts the rows
+            first = rows[0]["row"]
+        return first, rows
 
     # ------------------------------------------------------------------------------------------- lock
 

@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,12 @@ class SyncRecord:
 
 
 class SyncTracker:
-    """Sync history and the sync in progress; persists every change through `save`."""
+    """Sync history and the sync in progress. Each change is saved (through `save`, or the `commit` given
+    to `start`) before it is applied in memory: a save that raises leaves the tracker as it was.
+
+    The oldest finished syncs beyond the last `keep` are archived (`archive`): only their number stays
+    (`num_archived`; sync ids are 1, 2, ... over the whole run).
+    """
 
     def __init__(
         self,
@@ -99,11 +104,13 @@ class SyncTracker:
         save: Callable[[SyncRecord], None],
         ack_timeout_s: float,
         clock: Callable[[], float] = time.time,
+        num_archived: int = 0,
     ) -> None:
         self._records: dict[int, SyncRecord] = {r.sync_id: r for r in records}
         self._save = save
         self.ack_timeout_s = ack_timeout_s
         self.clock = clock
+        self.num_archived = num_archived
         in_progress = [r for r in self._records.values() if r.state == IN_PROGRESS]
         assert len(in_progress) <= 1, f"several syncs in progress: {[r.sync_id for r in in_progress]}"
         self._active: SyncRecord | None = in_progress[0] if in_progress else None
@@ -114,10 +121,11 @@ class SyncTracker:
         return self._active
 
     def __len__(self) -> int:
-        return len(self._records)
+        """Syncs of the run (archived included)."""
+        return self.num_archived + len(self._records)
 
     def history(self, limit: int | None = None) -> list[SyncRecord]:
-        """Syncs, newest first."""
+        """Syncs kept, newest first."""
         ordered = sorted(self._records.values(), key=lambda r: r.sync_id, reverse=True)
         return ordered if limit is None else ordered[:limit]
 
@@ -126,23 +134,26 @@ class SyncTracker:
         return max(matches, key=lambda r: r.sync_id) if matches else None
 
     def start(
-        self, *, weight_version: int, step: int, reason: str, path: str, sha256: str, expected: Iterable[str]
+        self,
+        *,
+        weight_version: int,
+        step: int,
+        reason: str,
+        path: str,
+        sha256: str,
+        expected: Iterable[str],
+        commit: Callable[[list[SyncRecord]], None] | None = None,
     ) -> SyncRecord:
+        """Start a sync (superseding the active one). `commit` saves the changed records (the superseded
+        sync and the new one), e.g. together with other state; default: `save` each."""
         now = self.clock()
         carried: dict[str, float] = {}
-        if self._active is not None:
-            old = self._active
+        changed: list[SyncRecord] = []
+        old = self._active
+        if old is not None:
             carried = {sid: old.waiting_since.get(sid, old.started_at) for sid in old.pending}
-            old.state, old.ended_at = SUPERSEDED, now
-            self._save(old)
-            logger.info(
-                "sync %d (version %d) superseded by version %d; still pending: %s",
-                old.sync_id,
-                old.weight_version,
-                weight_version,
-                ", ".join(old.pending) or "none",
-            )
-        sync_id = max(self._records, default=0) + 1
+            changed.append(replace(old, state=SUPERSEDED, ended_at=now))
+        sync_id = max(self._records, default=self.num_archived) + 1
         record = SyncRecord(
             sync_id=sync_id,
             weight_version=weight_version,
@@ -154,8 +165,23 @@ class SyncTracker:
             expected=sorted(expected),
         )
         record.waiting_since = {sid: since for sid, since in carried.items() if sid in record.expected}
-        self._records[sync_id] = record
-        self._active = record
+        record = self._finished_if_done(record)  # no live sampler: complete at once
+        changed.append(record)
+        if commit is None:
+            for changed_record in changed:
+                self._save(changed_record)
+        else:
+            commit(changed)
+        for changed_record in changed:
+            self._apply(changed_record)
+        if old is not None:
+            logger.info(
+                "sync %d (version %d) superseded by version %d; still pending: %s",
+                old.sync_id,
+                old.weight_version,
+                weight_version,
+                ", ".join(old.pending) or "none",
+            )
         logger.info(
             "sync %d started: version %d (step %d, %s); waiting for %s",
             sync_id,
@@ -164,8 +190,6 @@ class SyncTracker:
             reason,
             ", ".join(record.expected) or "no sampler",
         )
-        self._finish_if_done(record)  # no live sampler: complete at once
-        self._save(record)
         return record
 
     def ack(self, sampler_id: str, weight_version: int) -> SyncRecord | None:
@@ -173,20 +197,14 @@ class SyncTracker:
         record = self._active
         if record is None or sampler_id not in record.pending or weight_version < record.weight_version:
             return None
-        record.acked.append(sampler_id)
-        self._finish_if_done(record)
-        self._save(record)
-        return record
+        return self._change(replace(record, acked=[*record.acked, sampler_id]))
 
     def leave_out(self, sampler_id: str) -> SyncRecord | None:
         """Stop waiting for `sampler_id` (timed out, failed to load, lost); returns the affected sync."""
         record = self._active
         if record is None or sampler_id not in record.pending:
             return None
-        record.unhealthy.append(sampler_id)
-        self._finish_if_done(record)
-        self._save(record)
-        return record
+        return self._change(replace(record, unhealthy=[*record.unhealthy, sampler_id]))
 
     def overdue(self, now: float | None = None) -> list[str]:
         """Pending samplers of the active sync whose ack deadline has passed (counted from when a superseded
@@ -201,18 +219,44 @@ class SyncTracker:
             if now - record.waiting_since.get(sid, record.started_at) > self.ack_timeout_s
         ]
 
-    def _finish_if_done(self, record: SyncRecord) -> None:
-        if record.state == IN_PROGRESS and not record.pending:
-            record.state, record.ended_at = COMPLETE, self.clock()
+    def archivable(self, keep: int) -> list[int]:
+        """Sync ids of the oldest syncs beyond the last `keep` (never the active one)."""
+        ids = sorted(self._records)
+        active = self._active.sync_id if self._active is not None else None
+        return [sid for sid in ids[: max(0, len(ids) - keep)] if sid != active]
+
+    def archive(self, sync_ids: Iterable[int]) -> None:
+        """Drop the records of `sync_ids` (from `archivable`; their removal from Redis is the caller's)."""
+        for sync_id in sync_ids:
+            del self._records[sync_id]
+            self.num_archived += 1
+
+    def _change(self, record: SyncRecord) -> SyncRecord:
+        record = self._finished_if_done(record)
+        self._save(record)
+        self._apply(record)
+        return record
+
+    def _apply(self, record: SyncRecord) -> None:
+        self._records[record.sync_id] = record
+        if record.state == IN_PROGRESS:
+            self._active = record
+        elif self._active is not None and self._active.sync_id == record.sync_id:
             self._active = None
-            logger.info(
-                "sync %d complete: version %d in %.2f s; acked: %s; unhealthy: %s",
-                record.sync_id,
-                record.weight_version,
-                record.duration_s,
-                ", ".join(record.acked) or "none",
-                ", ".join(record.unhealthy) or "none",
-            )
+            if record.state == COMPLETE:
+                logger.info(
+                    "sync %d complete: version %d in %.2f s; acked: %s; unhealthy: %s",
+                    record.sync_id,
+                    record.weight_version,
+                    record.duration_s,
+                    ", ".join(record.acked) or "none",
+                    ", ".join(record.unhealthy) or "none",
+                )
+
+    def _finished_if_done(self, record: SyncRecord) -> SyncRecord:
+        if record.state == IN_PROGRESS and not record.pending:
+            return replace(record, state=COMPLETE, ended_at=self.clock())
+        return record
 
 
 class WeightBroadcaster:

@@ -166,7 +166,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportStep(self, request, context):
-        """Trainer: statistics of a trained step. Marks `batch_id` trained (batches are trained in plan order),
+        """Trainer: statistics of a trained step. Marks `batch_id` trained, and every batch before it (batches are
+        trained in plan order, so the report proves them trained even where the coordinator's state lost that),
         lets the planner plan further ahead, and answers whether the trainer should publish its weights now: the
         configured sync policy decides (policy "ess" does not ask again while a sync is in progress), except
         that a pending manual trigger (TriggerSync) always answers publish = true with reason

@@ -342,6 +342,17 @@ class CoordinatorConfig(StrictModel):
             raise ValueError("coordinator.tls_cert and coordinator.tls_key must be set together")
         return self
 
+    keep_trained_batches: int = Field(1000, ge=1)
+    """Trained batches whose plan and ledger entry stay in the coordinator's state (older ones are counted only)."""
+    keep_syncs: int = Field(1000, ge=1)
+    """Syncs kept in the sync history (older ones are counted only)."""
+    keep_step_rows: int = Field(10000, ge=0)
+    """Rows of the dashboard's step series kept in Redis (the last ones; metrics.jsonl keeps every step)."""
+    forget_lost_sampler_s: float = Field(3600.0, gt=0)
+    """A sampler lost for this long is dropped from the registry (e.g. a replaced container's id)."""
+    state_check_s: float = Field(2.0, gt=0)
+    """How often the coordinator checks that Redis still holds its state (a restarted Redis that lost writes
+    gets the whole state written back)."""
     @model_validator(mode="after")
     def _lag_cap_policy(self) -> CoordinatorConfig:
         if self.max_lag_steps is not None and self.sync_policy not in ("ess", "every_k"):

@@ -64,7 +64,7 @@ def acl_rules(user: str, run_id: str) -> list[str]:
     elif user == "coordinator":  # its state (coordinator/state.py), produces tasks, reads the queue depths
         keys = [f"~dlc:{run_id}:*"]
         commands = [*_DEPTH, "+ping", "+get", "+set", "+del", "+pexpire", "+pttl", "+hdel", "+hincrby",
-                    "+lrange", "+rpush", "+multi", "+exec", "+xrange", f"+xadd|{tasks}", f"+xtrim|{tasks}"]
+                    "+lrange", "+rpush", "+ltrim", "+multi", "+exec", "+xrange", f"+xadd|{tasks}", f"+xtrim|{tasks}"]
     else:
         raise ValueError(f"unknown redis user {user!r}: one of {', '.join(SERVICE_USERS)}")
     return _unique([*keys, *_BASE, *commands])

@@ -4,7 +4,7 @@
 
 const POLL_MS = 2000;
 const token = new URLSearchParams(location.search).get("token");
-const state = { rows: [], charts: {}, syncSteps: [], essThreshold: null, lastSamplers: {}, lastPoll: null,
+const state = { rows: [], next: 0, charts: {}, syncSteps: [], essThreshold: null, lastSamplers: {}, lastPoll: null,
                 batchLoaded: null };
 
 async function api(path) {
@@ -175,9 +175,11 @@ function drawDeadLetters(o) {
 
 async function poll() {
   try {
-    const o = await api(`overview?since=${state.rows.length}`);
-    if (o.steps.from !== state.rows.length) state.rows = [];  // the run was reset: take it from the start
+    const o = await api(`overview?since=${state.next}`);
+    // Rows older than the coordinator keeps (coordinator.keep_step_rows) were dropped: start from its first.
+    if (o.steps.from !== state.next) state.rows = [];
     state.rows.push(...o.steps.rows);
+    state.next = o.steps.from + o.steps.rows.length;
     state.syncSteps = o.syncs.map((s) => s.step);
     state.essThreshold = o.ess_threshold;
     drawHeadline(o);

@@ -427,10 +427,19 @@ def test_a_retried_report_gets_the_same_answer(server):
     assert retry.batches.total == first.batches.total
 
 
-def test_batches_are_trained_in_plan_order(server):
-    err = rpc_error(report, server.stub, step=1, batch_id=1)
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert err.details().startswith("batch_id: batches are trained in plan order")
+def test_a_report_proves_the_batches_before_it_trained(server):
+    """The trainer trains in plan order: a report of batch 1 when the ledger lacks batch 0 (Redis lost the write
+    that marked it) marks batch 0 trained at an unknown step; batch 0's own report, replayed, adopts its step."""
+    stub = server.stub
+    report(stub, step=1, batch_id=1)
+    batches = {b.batch_id: b for b in stub.ListBatches(pb.ListBatchesRequest()).batches}
+    assert batches[0].status == batches[1].status == pb.BATCH_TRAINED
+    assert (batches[0].trained_step, batches[1].trained_step) == (-1, 1)
+    assert stub.GetStatus(pb.GetStatusRequest()).batches.trained_through == 1
+    replay = report(stub, step=0, batch_id=0)
+    assert not replay.publish
+    batches = {b.batch_id: b for b in stub.ListBatches(pb.ListBatchesRequest()).batches}
+    assert batches[0].trained_step == 0
 
 
 def test_the_ledger_keeps_which_samplers_produced_a_batch(server):

@@ -13,7 +13,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from coordinator.service import Coordinator
-from coordinator.state import CoordinatorStore, TasksStream
+from coordinator.state import CoordinatorStore, StateWrite, TasksStream
 from rlcommon import wire
 from rlcommon.bus import (
     BusAuthError,
@@ -156,6 +156,7 @@ def test_the_coordinator_user_runs_the_coordinator(connect, admin):
         coordinator.register_sampler("s0", weight_version=0)
         coordinator.trigger_sync(f"test {attempt}")
         coordinator.tick()
+        coordinator.store.rewrite("test")  # the whole state written back: DEL, HSET, RPUSH, ... in one MULTI
         status = coordinator.status()
         coordinator.stop()
     assert status.run_id == RUN
@@ -164,7 +165,10 @@ def test_the_coordinator_user_runs_the_coordinator(connect, admin):
     # Read errors of these are logged and shown as -1 in the status: they must not happen.
     assert min(status.tasks_queue_depth, status.rollouts_queue_depth, status.deadletter_length) >= 0
     store = CoordinatorStore(connect("coordinator"), RUN)
-    store.save_values(published=None, last_step=3)  # MULTI, HSET, HDEL, EXEC
+    store.load_seq()
+    # MULTI, HSET, HDEL, RPUSH, LTRIM, HINCRBY, EXEC
+    store.commit(StateWrite(values={"published": None, "last_step": 3}, drop_batches=[99], steps=["{}"], keep_step_rows=5))
+    assert store.verify()
     assert store.load_values()["last_step"] == 3
     assert store.acquire_lock("tester", ttl_s=5) is None and 0 < store.lock_ttl_s() <= 5
     stream = TasksStream(StreamProducer.from_config(store._conn, cfg.bus, "tasks", backpressure=False))
