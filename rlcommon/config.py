@@ -26,6 +26,7 @@ __all__ = [
     "SamplerConfig",
     "CorrectionConfig",
     "ParallelConfig",
+    "KeepVersionsConfig",
     "TrainerConfig",
     "CoordinatorConfig",
     "PlacementConfig",
@@ -190,6 +191,16 @@ class SamplerConfig(StrictModel):
     """Prometheus port (None = off, 0 = pick a free one)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Heartbeat interval to the coordinator."""
+    weights_dir: str | None = None
+    """Where this sampler finds the published versions when it mounts the trainer's publish folder under another
+    path (another node): a weight update's folder is looked up by its name (v000123) here. None: the path the
+    update names."""
+    reload_retry_s: float = Field(1.0, gt=0)
+    """After a failed weight load, the first wait before loading again; doubled after each further failure, up to
+    `reload_retry_max_s`. Until a load succeeds the sampler takes no task (it would sample with stale weights)
+    and the coordinator reports it unhealthy."""
+    reload_retry_max_s: float = Field(30.0, gt=0)
+    """Longest wait between two tries of a weight load that keeps failing."""
 
 
 class CorrectionConfig(StrictModel):
@@ -225,6 +236,19 @@ class ParallelConfig(StrictModel):
     per rank under torchrun, which `python -m trainer_svc` starts by itself when this is > 1). Each rank trains
     its share of every batch's rows; the step is the one-process step (trainer_svc/parallel.py). NCCL on CUDA
     (one GPU per rank), gloo on the CPU."""
+
+
+class KeepVersionsConfig(StrictModel):
+    """Published weight versions the trainer keeps in `<run_dir>/weights` besides those the run needs. After each
+    publish it deletes the others (trainer_svc/retention.py); always kept are the versions a live sampler serves
+    or may be loading, those the trainer keeps snapshots of, and the newest `latest`."""
+
+    latest: int = Field(2, ge=2)
+    """The newest N published versions (at least 2: the newest, and the one before it that a sampler may still
+    be loading)."""
+    every: int | None = Field(None, ge=1)
+    """Also every version whose number is a multiple of this (100: v000100, v000200, ..., e.g. for evaluation);
+    1 keeps every version; None: none."""
 
 
 class TrainerConfig(StrictModel):
@@ -272,6 +296,12 @@ class TrainerConfig(StrictModel):
     """Constants of the corrections."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """How the trainer is split over processes."""
+    keep_versions: KeepVersionsConfig = Field(default_factory=KeepVersionsConfig)
+    """Published weight versions kept on disk besides those the run needs."""
+    unhealthy_sampler_grace_s: float = Field(120.0, ge=0)
+    """A sampler the coordinator reports unhealthy (a failed weight load, a missed sync ack) for longer than this
+    no longer pins the version it serves: the trainer releases that version's snapshot and folder as if no
+    sampler served it (its later rollouts of that version are dead-lettered and their slots re-issued)."""
 
     @model_validator(mode="after")
     def _parallel_settings_fit(self) -> TrainerConfig:

@@ -9,6 +9,10 @@ version; `verify_version_folder` checks a folder against its manifest before any
 the served model's architecture. The sha256
 of manifest.json identifies the whole version (it covers every file's hash): it is what a WeightUpdate
 carries. torch and transformers are needed only by `publish_version`.
+
+Published versions are deleted by the trainer (which owns the folder: `trainer_svc/retention.py` says which):
+`delete_version` renames a folder to a `.tmp-` name before removing it, so a reader sees a whole version or
+none, and `sweep_partial` removes the `.tmp-` folders a publish or a delete cut short by a crash left behind.
 """
 
 from __future__ import annotations
@@ -28,16 +32,22 @@ __all__ = [
     "MANIFEST_NAME",
     "PublishedVersion",
     "WeightsError",
+    "TMP_PREFIX",
     "check_compatible",
+    "delete_version",
     "latest_version",
     "load_version",
     "manifest_sha256",
     "publish_version",
+    "published_versions",
+    "sweep_partial",
     "verify_version_folder",
     "version_folder",
 ]
 
 MANIFEST_NAME = "manifest.json"
+TMP_PREFIX = ".tmp-"
+"""Name prefix of a folder being written (`publish_version`) or deleted (`delete_version`)."""
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 # Files of the source model folder that are not copied (the published weights and config replace them).
 _NOT_COPIED = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.safetensors\.index\.json|\.bin\.index\.json)$")
@@ -110,7 +120,7 @@ def publish_version(
     final = version_folder(publish_root, weight_version)
     if final.exists():
         raise WeightsError(f"{final}: weight version {weight_version} is already published")
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=publish_root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=publish_root))
     try:
         _save_model(model, tmp, state_dict=state_dict)
         if source_dir is not None:
@@ -205,6 +215,49 @@ def latest_version(publish_dir: str | os.PathLike[str]) -> int | None:
         if (match := _VERSION_DIR.match(entry.name)) and (entry / MANIFEST_NAME).is_file()
     ]
     return max(versions, default=None)
+
+
+def published_versions(publish_dir: str | os.PathLike[str]) -> list[int]:
+    """The versions that have a `vNNNNNN` folder in `publish_dir` (verified or not), ascending."""
+    root = Path(publish_dir)
+    if not root.is_dir():
+        return []
+    return sorted(int(match.group(1)) for entry in root.iterdir() if (match := _VERSION_DIR.match(entry.name)))
+
+
+def delete_version(publish_dir: str | os.PathLike[str], weight_version: int) -> bool:
+    """Delete version `weight_version`'s folder; False when there is none.
+
+    The folder is first renamed to a `.tmp-` name (atomic), so a reader that opens the version afterwards finds
+    no folder rather than a partial one, and a crash in the middle leaves a folder `sweep_partial` removes. A
+    reader that already holds its files open keeps reading them (POSIX unlink semantics).
+    """
+    folder = version_folder(publish_dir, weight_version)
+    doomed = Path(publish_dir) / f"{TMP_PREFIX}{folder.name}-deleted-{os.getpid()}"
+    try:
+        os.rename(folder, doomed)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
+
+
+def sweep_partial(publish_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove every `.tmp-*` entry of `publish_dir` (a publish or a delete that a crash cut short); returns their
+    names. Only for the folder's one writer, while it writes nothing (the trainer, at start-up)."""
+    root = Path(publish_dir)
+    if not root.is_dir():
+        return []
+    removed = []
+    for entry in sorted(root.iterdir()):
+        if not entry.name.startswith(TMP_PREFIX):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry.name)
+    return removed
 
 
 ARCHITECTURE_KEYS = (

@@ -79,6 +79,20 @@ def test_max_lag_steps():
             load_config(RunConfig, [], flags)
 
 
+def test_weight_retention_settings():
+    cfg = load_config(RunConfig, [])
+    keep = cfg.trainer.keep_versions
+    assert (keep.latest, keep.every) == (2, None)  # default: nothing kept beyond what the run needs
+    assert cfg.trainer.unhealthy_sampler_grace_s == 120.0
+    assert (cfg.sampler.weights_dir, cfg.sampler.reload_retry_s, cfg.sampler.reload_retry_max_s) == (None, 1.0, 30.0)
+    cfg = load_config(RunConfig, [], ["--trainer.keep_versions.every=100", "--trainer.keep_versions.latest=5"])
+    assert (cfg.trainer.keep_versions.every, cfg.trainer.keep_versions.latest) == (100, 5)
+    with pytest.raises(ConfigError, match=r"'trainer.keep_versions.latest'.*greater than or equal to 2"):
+        load_config(RunConfig, [], ["--trainer.keep_versions.latest=1"])
+    with pytest.raises(ConfigError, match=r"'trainer.keep_versions.every'"):
+        load_config(RunConfig, [], ["--trainer.keep_versions.every=0"])
+
+
 def test_queue_limit_below_what_the_trainer_holds_is_refused_at_start_up():
     sizes = ["--coordinator.batch_size=8", "--coordinator.group_size=4", "--coordinator.max_inflight_batches=2"]
     # (checkpoint_every - 1 + max_inflight_batches) x B x G = (4 - 1 + 2) x 8 x 4 = 160 rollouts held unacked

@@ -4,6 +4,10 @@ an untied and a tied-embedding model (fixture `tied`)."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,9 +18,12 @@ from transformers import AutoModelForCausalLM
 import rlcommon.weight_store as weight_store
 from rlcommon.weight_store import (
     WeightsError,
+    delete_version,
     latest_version,
     manifest_sha256,
     publish_version,
+    published_versions,
+    sweep_partial,
     verify_version_folder,
     version_folder,
 )
@@ -89,6 +96,72 @@ def test_a_crash_while_publishing_leaves_nothing_visible(tmp_path, monkeypatch, 
         publish_version(tiny_model(tied=tied), publish_dir=tmp_path, weight_version=1, step=0)
     assert list(tmp_path.iterdir()) == []
     assert latest_version(tmp_path) is None
+
+
+def _fake_version(publish_dir: Path, weight_version: int) -> Path:
+    folder = version_folder(publish_dir, weight_version)
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    return folder
+
+
+def test_delete_version_removes_the_folder_and_published_versions_lists_what_is_left(tmp_path):
+    for version in (1, 2, 3):
+        _fake_version(tmp_path, version)
+    (tmp_path / ".tmp-v000004-abc").mkdir()
+    (tmp_path / "notes").mkdir()
+    assert published_versions(tmp_path) == [1, 2, 3]
+    assert delete_version(tmp_path, 2) is True
+    assert delete_version(tmp_path, 2) is False  # already gone
+    assert published_versions(tmp_path) == [1, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-v000004-abc", "notes", "v000001", "v000003"]
+    assert published_versions(tmp_path / "missing") == []
+
+
+def test_sweep_removes_what_a_killed_publish_and_a_cut_delete_left(tmp_path, monkeypatch):
+    """A publish killed with SIGKILL in the middle of writing (a real process: no clean-up runs) and a delete
+    cut between its rename and its removal each leave a `.tmp-` folder; the sweep removes exactly those."""
+    publish_dir, started = tmp_path / "weights", tmp_path / "started"
+    code = f"""
+import time
+from pathlib import Path
+import rlcommon.weight_store as ws
+def hang(model, folder, **_):
+    (folder / "model.safetensors").write_bytes(b"half")
+    Path({str(started)!r}).write_text(folder.name)
+    time.sleep(600)
+ws._save_model = hang
+ws.publish_version(None, publish_dir={str(publish_dir)!r}, weight_version=3, step=0)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None, "the publishing process exited early"
+            assert time.monotonic() < deadline, "the publishing process never started writing"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    killed_publish = started.read_text()
+    assert killed_publish.startswith(".tmp-v000003-")
+    for version in (1, 2):
+        _fake_version(publish_dir, version)
+
+    def cut(*_args, **_kwargs):
+        raise KeyboardInterrupt  # stands for a crash between the rename and the removal
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "rmtree", cut)
+        with pytest.raises(KeyboardInterrupt):
+            delete_version(publish_dir, 1)
+    cut_delete = [p.name for p in publish_dir.iterdir() if p.name.startswith(".tmp-v000001-")]
+    assert len(cut_delete) == 1 and published_versions(publish_dir) == [2]
+    (publish_dir / ".tmp-stray-file").write_text("x")
+
+    assert sweep_partial(publish_dir) == sorted([killed_publish, cut_delete[0], ".tmp-stray-file"])
+    assert sorted(p.name for p in publish_dir.iterdir()) == ["v000002"]
+    assert sweep_partial(publish_dir) == [] and sweep_partial(tmp_path / "missing") == []
 
 
 @pytest.fixture

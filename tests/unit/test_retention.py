@@ -1,0 +1,136 @@
+"""trainer_svc.retention: which published versions are deleted, which samplers pin their version, which stale
+rollouts are refused. Pure rules, checked against hand-worked cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer_svc.retention import (
+    HEALTHY,
+    LOST,
+    UNHEALTHY,
+    SamplerPins,
+    SamplerState,
+    lag_refusal,
+    versions_to_delete,
+)
+
+# ------------------------------------------------------------------------------------------ versions_to_delete
+
+
+def test_only_the_newest_two_stay_when_nothing_else_pins():
+    assert versions_to_delete(range(1, 8)) == [1, 2, 3, 4, 5]
+    assert versions_to_delete([7, 3, 5]) == [3]  # order of the folder listing does not matter
+    assert versions_to_delete([4]) == [] and versions_to_delete([]) == []
+
+
+def test_pinned_versions_stay():
+    # snapshots 2 and 3, the active sync's version 6
+    assert versions_to_delete(range(1, 8), pinned={2, 3, 6}) == [1, 4, 5]
+    assert versions_to_delete([1, 2], pinned={9}) == []  # a pin without a folder changes nothing
+
+
+def test_everything_from_the_oldest_served_version_stays():
+    # a sampler serves 3: it may be loading 4, 5, 6 or 7 now
+    assert versions_to_delete(range(1, 8), keep_from=3) == [1, 2]
+    assert versions_to_delete(range(1, 8), keep_from=0) == []  # a sampler still on the initial weights
+    assert versions_to_delete(range(1, 8), keep_from=100) == [1, 2, 3, 4, 5]
+
+
+def test_latest_and_every():
+    assert versions_to_delete(range(1, 8), latest=4) == [1, 2, 3]
+    assert versions_to_delete(range(1, 12), every=5) == [1, 2, 3, 4, 6, 7, 8, 9]  # 5, 10 and the newest two stay
+    assert versions_to_delete(range(1, 12), every=1) == []  # keep every version
+
+
+def test_the_rules_combine():
+    published = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    doomed = versions_to_delete(published, pinned={2}, keep_from=9, latest=2, every=4)
+    assert doomed == [1, 3, 5, 6, 7]  # kept: 2 (pinned), 4 and 8 (every), 9..12 (served and newer)
+
+
+# ---------------------------------------------------------------------------------------------- SamplerPins
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def states(*items: tuple[str, int, str]) -> list[SamplerState]:
+    return [SamplerState(*item) for item in items]
+
+
+def test_lost_samplers_never_pin_and_healthy_ones_always_do():
+    pins = SamplerPins(grace_s=10, clock=Clock())
+    assert pins.serving_versions(states(("a", 3, HEALTHY), ("b", 1, LOST))) == [3]
+
+
+def test_an_unhealthy_sampler_pins_for_the_grace_then_no_longer():
+    clock = Clock()
+    pins = SamplerPins(grace_s=10, clock=clock)
+    assert pins.serving_versions(states(("a", 5, HEALTHY), ("b", 2, UNHEALTHY))) == [5, 2]
+    clock.now += 10  # exactly the grace: still pins
+    assert pins.serving_versions(states(("a", 6, HEALTHY), ("b", 2, UNHEALTHY))) == [6, 2]
+    clock.now += 0.5
+    assert pins.serving_versions(states(("a", 6, HEALTHY), ("b", 2, UNHEALTHY))) == [6]
+    # healthy again (it loaded the published version): it pins, and a later failure starts a new grace
+    assert pins.serving_versions(states(("a", 6, HEALTHY), ("b", 6, HEALTHY))) == [6, 6]
+    clock.now += 100
+    assert pins.serving_versions(states(("a", 7, HEALTHY), ("b", 6, UNHEALTHY))) == [7, 6]
+    clock.now += 11
+    assert pins.serving_versions(states(("a", 7, HEALTHY), ("b", 6, UNHEALTHY))) == [7]
+
+
+def test_a_sampler_that_left_the_registry_starts_a_new_grace_when_it_comes_back():
+    clock = Clock()
+    pins = SamplerPins(grace_s=10, clock=clock)
+    pins.serving_versions(states(("b", 2, UNHEALTHY)))
+    clock.now += 5
+    assert pins.serving_versions(states()) == []  # forgotten by the coordinator
+    clock.now += 6
+    assert pins.serving_versions(states(("b", 2, UNHEALTHY))) == [2]
+
+
+def test_zero_grace_unpins_at_the_first_look_after_the_first_one():
+    clock = Clock()
+    pins = SamplerPins(grace_s=0, clock=clock)
+    assert pins.serving_versions(states(("b", 2, UNHEALTHY))) == [2]
+    clock.now += 0.001
+    assert pins.serving_versions(states(("b", 2, UNHEALTHY))) == []
+
+
+# ----------------------------------------------------------------------------------------------- lag_refusal
+
+
+def refusal(version: int, step: int, *, max_lag_steps: int | None = 3, inflight: int = 2) -> str | None:
+    # versions 1, 2, 3 published at steps 10, 20, 40
+    return lag_refusal(weight_version=version, train_step=step, published_steps={1: 10, 2: 20, 3: 40},
+                       max_lag_steps=max_lag_steps, max_inflight_batches=inflight)
+
+
+def test_no_cap_no_refusal():
+    assert refusal(1, 1000, max_lag_steps=None) is None
+
+
+def test_the_newest_kept_version_is_never_refused_however_old():
+    assert refusal(3, 1000) is None
+
+
+def test_a_superseded_version_is_refused_past_the_cap_plus_the_window():
+    # version 1 was superseded at step 20; margin = 3 + 2
+    assert refusal(1, 25) is None
+    reason = refusal(1, 26)
+    assert reason is not None
+    assert reason.startswith("weight_version 1 is 16 trainer steps old at step 26 and was superseded by version 2 "
+                             "6 steps before")
+    assert "coordinator.max_lag_steps + max_inflight_batches = 3 + 2" in reason
+    assert refusal(2, 45) is None and refusal(2, 46) is not None  # superseded by 3 at step 40
+
+
+@pytest.mark.parametrize("version", [0, 7])
+def test_versions_the_trainer_does_not_keep_are_left_to_the_other_checks(version):
+    assert refusal(version, 1000) is None
