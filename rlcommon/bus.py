@@ -13,7 +13,9 @@
   (`OWNED_GROUPS`: the samplers' on tasks, the trainer's on rollouts): another group (an operator's
   monitor, a second trainer under another group name) never acks what the run needs acked, so it would
   stop every producer for good; it is logged once and ignored, and its unread entries may be trimmed.
-- Every call retries with exponential backoff while Redis is unreachable (`RedisConnection.call`).
+- Every call retries with exponential backoff while Redis is unreachable (`RedisConnection.call`), except
+  once the process is stopping (`stop_waiting_on_redis`): then a failed call raises at once, and one blocked
+  on a Redis that no longer answers is cut off, so that a stop never waits on Redis.
   Credentials come in the URL (`redis://user:password@host:port/db`, one ACL user per service:
   rlcommon/redis_acl.py); refused credentials raise BusAuthError at once; logs show the URL without them.
 - `StreamProducer.queue_depth` counts entries not yet acked by the consumer group (undelivered +
@@ -28,9 +30,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import socket
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,6 +59,7 @@ __all__ = [
     "StreamConsumer",
     "StreamProducer",
     "redacted_url",
+    "stop_waiting_on_redis",
     "stream_key",
     "trim_acked",
 ]
@@ -154,6 +161,58 @@ def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+# ------------------------------------------------------------------------------------------- stopping
+
+_stopping = threading.Event()
+_live_connections: weakref.WeakSet[RedisConnection] = weakref.WeakSet()
+_stop_watch_started = threading.Lock()
+STOP_PROBE_S = 1.0
+"""While the process stops: a Redis that does not answer within this long has its callers cut off."""
+
+
+def stop_waiting_on_redis() -> None:
+    """This process is stopping (a stop signal; rlcommon/entrypoint.py calls this): from now on a call that
+    fails is not retried but raises BusUnavailableError at once, and the calls blocked on a Redis that no longer
+    answers (stopped, hung: a read would wait out the socket timeout) are cut off, so that a stop never waits
+    on Redis. Calls to a Redis that answers go on as before. Safe in a signal handler (it only sets an event)."""
+    _stopping.set()
+
+
+def _cut_off_unanswered_calls() -> None:
+    """The stop watch (one daemon thread per process): once stopping, every STOP_PROBE_S / 2 it shuts down the
+    sockets in use of each connection whose Redis does not answer a PING within STOP_PROBE_S. A shutdown, not a
+    close: the blocked caller gets ConnectionError and closes the connection itself (redis-py raises ValueError
+    in a caller whose socket another thread closed)."""
+    _stopping.wait()
+    while True:
+        for conn in list(_live_connections):
+            if not _answers(conn.url):
+                pool = conn.client.connection_pool
+                with pool._lock:
+                    in_use = list(pool._in_use_connections)
+                for connection in in_use:
+                    sock = connection._sock
+                    if sock is not None:
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+        time.sleep(STOP_PROBE_S / 2)
+
+
+def _answers(url: str) -> bool:
+    """Whether the Redis at `url` replies (even with an error) to a PING within STOP_PROBE_S."""
+    client = redis.Redis.from_url(url, socket_timeout=STOP_PROBE_S, socket_connect_timeout=STOP_PROBE_S,
+                                  retry=Retry(NoBackoff(), 0))
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
+    except redis.RedisError:
+        pass  # a reply (this user may not PING): the server answers
+    finally:
+        client.close()
+    return True
+
+
 # ------------------------------------------------------------------------------------------- connection
 
 
@@ -186,6 +245,9 @@ class RedisConnection:
             "create_group": self.client.register_script(_CREATE_GROUP_LUA),
             "snapshot": self.client.register_script(_SNAPSHOT_LUA),
         }
+        _live_connections.add(self)
+        if _stop_watch_started.acquire(blocking=False):
+            threading.Thread(target=_cut_off_unanswered_calls, name="redis-stop-watch", daemon=True).start()
 
     @classmethod
     def from_config(cls, cfg: RedisConfig, *, url: str | None = None) -> RedisConnection:
@@ -222,6 +284,10 @@ class RedisConnection:
             except redis.exceptions.AuthorizationError:
                 raise
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if _stopping.is_set():
+                    raise BusUnavailableError(
+                        f"redis at {self.display_url} unreachable while this process stops ({exc}); not retried"
+                    ) from exc
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.reconnect_max_s
@@ -236,7 +302,7 @@ class RedisConnection:
                         f"redis at {self.display_url} unreachable for {self.reconnect_max_s} s (last error: {exc}); "
                         "check the server or raise redis.reconnect_max_s"
                     ) from exc
-                time.sleep(min(delay, deadline - now))
+                _stopping.wait(min(delay, deadline - now))  # a stop ends the wait
                 delay = min(delay * 2, 2.0)
                 continue
             if deadline is not None:
