@@ -9,6 +9,11 @@ Logging: one line format to stderr, level `DLC_LOG_LEVEL` (rlcommon/logs.py).
 Exit codes: 0 after a stop signal or a finished run; 2 for a bad configuration (the message names the
 field and the fix; `ConfigError`, also when `serve` raises it); 1 for any other failure: one line
 (`<name>: error: ...`) for the errors a user can cause (`user_errors`), a logged traceback for the rest.
+Stopping: a stop signal also tells the bus not to wait on Redis (`rlcommon.bus.stop_waiting_on_redis`), and
+Redis unreachable on the way out is a stop, not a failure (exit 0).
+A service started by the local launcher (`DLC_STOP_WITH_PARENT=<its pid>`) stops when the launcher dies: the
+launcher has the kernel send it SIGTERM then (PR_SET_PDEATHSIG), and `watch_parent` sends it too and, if the
+service is still there `ORPHAN_GRACE_S` later, kills its process group (a vLLM engine included).
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 
+from rlcommon.bus import BusUnavailableError, stop_waiting_on_redis
 from rlcommon.config import ConfigError, RunConfig, load_config
 from rlcommon.logs import setup_logging
 
@@ -27,17 +36,25 @@ __all__ = [
     "EXIT_BAD_CONFIG",
     "EXIT_FAILED",
     "EXIT_OK",
+    "ORPHAN_GRACE_S",
     "STOP_SIGNALS",
+    "STOP_WITH_PARENT_ENV",
     "config_from_args",
     "on_stop_signals",
     "run_service",
     "stop_event",
+    "watch_parent",
 ]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_WITH_PARENT_ENV = "DLC_STOP_WITH_PARENT"
+"""Set by the local launcher to its pid: the service stops when that process is no longer its parent."""
+ORPHAN_GRACE_S = 10.0
+"""How long a service whose launcher died may take to stop by itself before it kills its process group."""
+_stop_signalled = threading.Event()
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +81,14 @@ def config_from_args(
 
 def on_stop_signals(callback: Callable[[int], None]) -> None:
     """Call `callback(signum)` on SIGTERM or SIGINT (a blocking main loop: the trainer)."""
+
+    def on_signal(received: int, _frame: object) -> None:
+        _stop_signalled.set()
+        stop_waiting_on_redis()
+        callback(received)
+
     for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda received, _frame: callback(received))
+        signal.signal(signum, on_signal)
 
 
 def stop_event(event: asyncio.Event | None = None) -> asyncio.Event:
@@ -73,9 +96,40 @@ def stop_event(event: asyncio.Event | None = None) -> asyncio.Event:
     running loop)."""
     event = asyncio.Event() if event is None else event
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        _stop_signalled.set()
+        stop_waiting_on_redis()
+        event.set()
+
     for signum in STOP_SIGNALS:
-        loop.add_signal_handler(signum, event.set)
+        loop.add_signal_handler(signum, on_signal)
     return event
+
+
+def watch_parent(grace_s: float = ORPHAN_GRACE_S, *, poll_s: float = 0.2) -> threading.Thread | None:
+    """When `DLC_STOP_WITH_PARENT` names this process's parent (the launcher), a daemon thread that watches it:
+    once the parent is gone (this process was re-parented), it sends this process SIGTERM, and if the process
+    is still there `grace_s` later, SIGKILLs its process group (when it leads one; else itself). None when the
+    variable is unset or names another process (e.g. a rank that torchrun started)."""
+    parent = os.environ.get(STOP_WITH_PARENT_ENV, "")
+    if not parent.isdigit() or int(parent) != os.getppid():
+        return None
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(poll_s)
+        logger.warning("the launcher (pid %s) is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        logger.error("still running %.0f s after the launcher died: killing this process", grace_s)
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_service(
@@ -96,8 +150,15 @@ def run_service(
         print(f"{name}: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     setup_logging(name, cfg.run_dir)
+    watch_parent()
     try:
-        return serve(cfg)
+        try:
+            return serve(cfg)
+        except BusUnavailableError as err:  # on the way out after a stop signal: a stop, not a failure
+            if not _stop_signalled.is_set():
+                raise
+            logging.getLogger(name).warning("stopped with redis unreachable: %s", err)
+            return EXIT_OK
     except ConfigError as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
