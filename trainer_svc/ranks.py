@@ -7,6 +7,10 @@ announces to the others (a broadcast over a gloo group, so also under NCCL) and 
 runs the same operation with the same arguments, in the same order, until rank 0 announces `stop`. With one
 process nothing is broadcast: `Ranks.do` is a plain call.
 
+A checkpoint is written in the background on every rank (`Ranks.checkpoints`, a CheckpointWriter over a gloo
+group of its own): `do("checkpoint", ...)` returns once the state is copied to host memory; rank 0's service
+asks `checkpoints.finished()` / `wait()` when it is on disk. `stop` finishes the write in flight on every rank.
+
     ranks = Ranks(train_step, parallel)        # parallel: DataParallel or None
     result = ranks.do("train", rollouts=...)   # rank 0 (the service)
     ranks.follow()                             # ranks > 0, until rank 0's ranks.do("stop")
@@ -22,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from trainer_svc.checkpoint import distinct_model_state, save_checkpoint
+from trainer_svc.checkpoint import CheckpointWriter, distinct_model_state
 from trainer_svc.parallel import DataParallel, is_sharded
 from trainer_svc.step import TrainStep
 
@@ -46,12 +50,9 @@ OPERATIONS: dict[str, Callable[..., Any]] = {
     "train": lambda ts, *, rollouts: ts.train_on(rollouts),
     "whole_weights": _whole_weights,
     "keep": lambda ts, *, weight_version: ts.mark_published(weight_version),
-    "checkpoint": lambda ts, *, checkpoint_dir, keep, extra_state: save_checkpoint(
-        Path(checkpoint_dir), train_step=ts, keep=keep, extra_state=extra_state
-    ),
     "release": lambda ts, *, min_version: ts.snapshots.release_below(min_version),
-    "stop": lambda ts: None,
 }
+"""The operations that need only the TrainStep; `checkpoint` and `stop` are the Ranks' own (its writer)."""
 
 
 class Ranks:
@@ -59,16 +60,26 @@ class Ranks:
         self.train_step = train_step
         self.parallel = parallel
         self.group = dist.new_group(backend="gloo") if parallel is not None else None
+        self.checkpoints = CheckpointWriter(
+            process_group=dist.new_group(backend="gloo") if parallel is not None else None)
+        """This rank's background checkpoint writer (its collectives on a group apart from `group`'s broadcasts)."""
         self.stopped = False
+
+    def _run(self, op: str, kwargs: dict[str, Any]) -> Any:
+        if op == "checkpoint":
+            return self.checkpoints.start(Path(kwargs.pop("checkpoint_dir")), train_step=self.train_step, **kwargs)
+        if op == "stop":
+            return self.checkpoints.wait()
+        return OPERATIONS[op](self.train_step, **kwargs)
 
     def do(self, op: str, **kwargs: Any) -> Any:
         """Rank 0: announce `op` to the other ranks, then run it here."""
-        if op not in OPERATIONS:
+        if op not in (*OPERATIONS, "checkpoint", "stop"):
             raise ValueError(f"unknown trainer operation {op!r}")
         if self.parallel is not None:
             dist.broadcast_object_list([(op, kwargs)], src=0, group=self.group)
         self.stopped = op == "stop"
-        return OPERATIONS[op](self.train_step, **kwargs)
+        return self._run(op, dict(kwargs))
 
     def follow(self) -> int:
         """Ranks > 0: run what rank 0 announces until it announces `stop`; returns the operations run."""
@@ -78,8 +89,8 @@ class Ranks:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=self.group)
             op, kwargs = box[0]
+            self._run(op, kwargs)
             if op == "stop":
                 logger.info("rank %d: stopping after %d operations", self.parallel.rank, done)
                 return done
-            OPERATIONS[op](self.train_step, **kwargs)
             done += 1

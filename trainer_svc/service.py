@@ -111,6 +111,8 @@ class TrainerService:
         self.skipped_batches = 0
         self.rejected_rollouts = 0
         self.unacked_entry_ids: list[bytes] = []
+        self.checkpoint_acks: list[bytes] = []
+        """Entries the checkpoint being written covers: acked once it is on disk (`settle_checkpoint`)."""
         self.published_version = 0
         """The coordinator's latest published weight version (ahead of the trainer's while it replays)."""
         self.planned_batches = 0
@@ -176,6 +178,7 @@ class TrainerService:
         if self.train_step.step > self.checkpointed_step:
             self.checkpoint()
             logger.info("checkpointed step %d on the way out", self.train_step.step)
+        self.settle_checkpoint(wait=True)
 
     def request_stop(self) -> None:
         """Stop after the current step (a signal handler may call it)."""
@@ -185,6 +188,13 @@ class TrainerService:
         """Close everything; `announce`: tell the other ranks to stop (not after a failure: they may be inside
         an operation this rank left). After a failed `start`, closes what it had opened."""
         self.stopping.set()
+        if self.started:
+            try:
+                self.settle_checkpoint(wait=True)  # the checkpoint being written is finished first
+            except Exception:
+                if announce:
+                    raise
+                logger.exception("the checkpoint being written failed (the previous one stays the latest)")
         if announce and self.ranks is not None and not self.ranks.stopped:
             self.ranks.do("stop")  # the other ranks leave their loop
         if self.started:
@@ -198,6 +208,9 @@ class TrainerService:
     def run(self) -> None:
         """Train batches in plan order until `steps` are done (or stop() is called)."""
         while self.train_step.step < self.cfg.steps and not self.stopping.is_set():
+            if self.ranks.checkpoints.finished():  # written in the background: ack what it covers
+                with self.stages.stage("checkpoint"):
+                    self.settle_checkpoint()
             buffer = self.buffers.get(self.next_batch_id)
             if buffer is not None and len(buffer.rollouts) == self.samples_per_batch:
                 self.train_batch(self.next_batch_id)
@@ -405,16 +418,30 @@ class TrainerService:
                                 sha256=manifest_sha256(folder))
 
     def checkpoint(self) -> None:
-        """Checkpoint, then ack every rollout entry the checkpoint covers."""
+        """Start a checkpoint of this step, written in the background (`Ranks.checkpoints`); the rollout entries
+        it covers are acked once it is on disk (`settle_checkpoint`). At most one is written at a time: the
+        previous one is finished (and its entries acked) first."""
+        self.settle_checkpoint(wait=True)
         self.ranks.do(
             "checkpoint", checkpoint_dir=str(self.checkpoint_dir), keep=self.cfg.trainer.keep_checkpoints,
             extra_state={"next_batch_id": self.next_batch_id, "duplicates_dropped": self.duplicates_dropped,
                          "skipped_batches": self.skipped_batches, "rejected_rollouts": self.rejected_rollouts},
         )
         self.checkpointed_step = self.train_step.step
-        if self.unacked_entry_ids:
-            self.consumer.ack(self.unacked_entry_ids)
-            self.unacked_entry_ids = []
+        self.checkpoint_acks, self.unacked_entry_ids = self.unacked_entry_ids, []
+
+    def settle_checkpoint(self, *, wait: bool = False) -> None:
+        """Once the checkpoint being written is on disk (`wait`: wait for it), ack the rollout entries it covers.
+        A failed write raises here: the trainer stops and resumes from the previous checkpoint, its entries
+        still pending."""
+        writer = self.ranks.checkpoints
+        if not writer.in_flight or not (wait or writer.finished()):
+            return
+        path = writer.wait()
+        logger.debug("checkpoint %s written", path)
+        if self.checkpoint_acks:
+            self.consumer.ack(self.checkpoint_acks)
+            self.checkpoint_acks = []
         self.write_state()
 
     def release_old_versions(self) -> None:

@@ -127,14 +127,37 @@ def publish_from_ranks(train_step: TrainStep, publish_dir: Path, dp: DataParalle
 
 
 def checkpoint_roundtrip(folder: str, dp: DataParallel) -> dict:
+    """The trainer's background writer on the ranks (over a gloo group of its own): each rank's write is held
+    while a step trains (FSDP2's collectives on the default group) and then goes on; the checkpoint holds the state
+    of its start, and it loads into these ranks (and, in the test, into one process) bit for bit."""
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
     from tests.unit.test_checkpoint import train
-    from trainer_svc.checkpoint import load_checkpoint, save_checkpoint
+    from trainer_svc.checkpoint import CheckpointWriter, load_checkpoint
 
     config = TrainerConfig(method="dlc")
     saved = TrainStep(tiny_model(tied=True, seed=0), config=config, parallel=dp)
+    writer = CheckpointWriter(process_group=dist.new_group(backend="gloo"))
     train(saved, range(2))
-    path = save_checkpoint(folder, train_step=saved, extra_state={"next_batch_id": 2})
     want = whole_state(saved)
+    entered, released = threading.Event(), threading.Event()
+    write_data = FileSystemWriter.write_data
+
+    def held_write_data(self, plan, planner):
+        entered.set()
+        assert released.wait(600), "never released"
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = held_write_data
+    path = writer.start(folder, train_step=saved, keep=1, extra_state={"next_batch_id": 2})
+    assert entered.wait(600)  # this rank's write is under way (its plan agreed with the other rank's)
+    train(saved, range(2, 3))
+    moved = whole_state(saved)
+    released.set()
+    written = writer.wait()
+    FileSystemWriter.write_data = write_data
     resumed = TrainStep(tiny_model(tied=True, seed=7), config=config, parallel=dp)
     meta = load_checkpoint(path, train_step=resumed)
     got = whole_state(resumed)
@@ -144,6 +167,8 @@ def checkpoint_roundtrip(folder: str, dp: DataParallel) -> dict:
     return {
         "published": published,
         "path": str(path),
+        "written": str(written),
+        "moved_during_write": any(not torch.equal(moved["model"][k], t) for k, t in want["model"].items()),
         "meta": meta,
         "same": {part: all(torch.equal(got[part][k], t) for k, t in want[part].items()) for part in want},
         "keys": {part: sorted(want[part]) == sorted(got[part]) for part in want},

@@ -74,8 +74,10 @@ def two_rank_checkpoint(tmp_path_factory) -> dict:
 
 
 def test_a_two_rank_checkpoint_resumes_on_two_ranks(two_rank_checkpoint):
+    """Written in the background while a step trained: it holds the state of its start."""
     ck = two_rank_checkpoint
     assert ck["world"] == 2 and ck["meta"]["ranks"] == 2 and ck["meta"]["next_batch_id"] == 2
+    assert ck["written"] == ck["path"] and ck["moved_during_write"]
     assert ck["keys"] == ck["same"] == {"model": True, "optimizer": True, "snapshots": True}
     assert ck["versions"] == [0, 1] and ck["step"] == 2
 
