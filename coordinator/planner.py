@@ -370,6 +370,20 @@ class BatchPlanner:
         )
         return batch_id
 
+    def add_lost_records(self, through: int) -> list[int]:
+        """Add the records of batches `len(ledger)` .. `through` without writing their tasks: the trainer
+        reported batch `through`, so they were planned and their tasks sent before Redis lost their records
+        (the plan is a pure function of k, so the records are re-created as they were). Returns their ids."""
+        added = []
+        for batch_id in range(len(self.ledger), through + 1):
+            groups = [g for g, _ in self.plan_groups(batch_id)]
+            self.ledger.add(BatchRecord(
+                batch_id=batch_id, status="planned", group_size=self.group_size, groups=groups,
+                planned_at=self.clock(), weight_version_hint=self.version_hint(), tasks_written=True,
+            ))
+            added.append(batch_id)
+        return added
+
     @staticmethod
     def _task(record: BatchRecord, group: GroupPlan, prompt_ids: np.ndarray, **extra: Any) -> Any:
         from rlcommon.wire import Task

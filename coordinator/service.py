@@ -571,6 +571,17 @@ class Coordinator:
             raise InvalidArgument("batch_id", f"batch {batch_id} is not planned (planned batches: {planned})")
         return self.ledger.get(batch_id)
 
+    def _trainer_batch(self, batch_id: int) -> BatchRecord:
+        """The batch a trainer call names. Only a planned batch reaches the trainer, so a batch past the
+        ledger (by less than keep_trained_batches) is one whose record Redis lost, with those before it: they
+        are re-created from the plan."""
+        _non_negative("batch_id", batch_id)
+        if len(self.ledger) <= batch_id < len(self.ledger) + self.ccfg.keep_trained_batches:
+            added = self.planner.add_lost_records(batch_id)
+            logger.warning("the trainer names batch %d, which the ledger lacks (Redis lost its writes): batches "
+                           "%d..%d re-created from the plan", batch_id, added[0], added[-1])
+        return self._planned_batch(batch_id)
+
     def _archived_batch(self, batch_id: int) -> BatchRecord | None:
         """What a replaying trainer is told of a batch trained so long ago that its record is archived."""
         if not self.ledger.is_archived(batch_id):
@@ -582,7 +593,7 @@ class Coordinator:
         _non_negative("num_rollouts", num_rollouts)
         if (archived := self._archived_batch(batch_id)) is not None:
             return archived
-        record = self._planned_batch(batch_id)
+        record = self._trainer_batch(batch_id)
         expected = len(record.groups) * record.group_size
         if num_rollouts and num_rollouts != expected:
             raise InvalidArgument(
@@ -601,7 +612,7 @@ class Coordinator:
         tasks already queued reach the first sampler back)."""
         if (archived := self._archived_batch(batch_id)) is not None:
             return ProgressAnswer([], 0.0, archived)
-        record = self._planned_batch(batch_id)
+        record = self._trainer_batch(batch_id)
         num_slots = len(record.groups) * record.group_size
         filled = set()
         for slot in filled_slots:
@@ -667,7 +678,7 @@ class Coordinator:
         clean_stats = self._check_stats(stats)
         if self.ledger.is_archived(batch_id):  # a replay older than the ledger keeps: trained long ago
             return self._replayed_answer(step)
-        record = self._planned_batch(batch_id)
+        record = self._trainer_batch(batch_id)
         by_sampler = self._check_rollouts_by_sampler(rollouts_by_sampler or {}, record)
         if record.status == "trained" and record.trained_step in (step, -1):
             # A retry of a report whose answer was lost, or a trainer that resumed from a checkpoint older
@@ -759,10 +770,10 @@ class Coordinator:
             return StepAnswer(SyncDecision(True, announced.reason), announced.weight_version, counts)
         pending = self._pending_publish
         if pending is not None and pending["step"] == step:
-            return StepAnswer(SyncDecision(True, pending["reason"]), self._next_version(), counts)
+            return StepAnswer(SyncDecision(True, pending["reason"]), self._next_version(self._trainer_version), counts)
         last = self._last_step
         reason = last.reason if last is not None and last.step == step else f"step {step} was reported before"
-        return StepAnswer(SyncDecision(False, reason), self._next_version(), counts)
+        return StepAnswer(SyncDecision(False, reason), self._next_version(self._trainer_version), counts)
 
     @staticmethod
     def _check_rollouts_by_sampler(counts: Mapping[str, int], record: BatchRecord) -> dict[str, int]:
