@@ -9,8 +9,8 @@ Logging: one line format to stderr, level `DLC_LOG_LEVEL` (rlcommon/logs.py).
 Exit codes: 0 after a stop signal or a finished run; 2 for a bad configuration (the message names the
 field and the fix; `ConfigError`, also when `serve` raises it); 1 for any other failure: one line
 (`<name>: error: ...`) for the errors a user can cause (`user_errors`), a logged traceback for the rest.
-Stopping: a stop signal also tells the bus not to wait on Redis (`rlcommon.bus.stop_waiting_on_redis`), and
-Redis unreachable on the way out is a stop, not a failure (exit 0).
+Stopping: in a service (`run_service`), a stop signal also tells the bus not to wait on Redis
+(`rlcommon.bus.stop_waiting_on_redis`), and Redis unreachable on the way out is a stop, not a failure (exit 0).
 A service started by the local launcher (`DLC_STOP_WITH_PARENT=<its pid>`) stops when the launcher dies: the
 launcher has the kernel send it SIGTERM then (PR_SET_PDEATHSIG), and `watch_parent` sends it too and, if the
 service is still there `ORPHAN_GRACE_S` later, kills its process group (a vLLM engine included).
@@ -55,6 +55,8 @@ STOP_WITH_PARENT_ENV = "DLC_STOP_WITH_PARENT"
 ORPHAN_GRACE_S = 10.0
 """How long a service whose launcher died may take to stop by itself before it kills its process group."""
 _stop_signalled = threading.Event()
+_in_service = threading.Event()
+"""`run_service` is running: a stop signal is this process's stop (not a test's signal to its own process)."""
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +81,17 @@ def config_from_args(
     return load_config(RunConfig, args.config, overrides, use_env=True)
 
 
+def _stopping() -> None:
+    if _in_service.is_set():
+        _stop_signalled.set()
+        stop_waiting_on_redis()
+
+
 def on_stop_signals(callback: Callable[[int], None]) -> None:
     """Call `callback(signum)` on SIGTERM or SIGINT (a blocking main loop: the trainer)."""
 
     def on_signal(received: int, _frame: object) -> None:
-        _stop_signalled.set()
-        stop_waiting_on_redis()
+        _stopping()
         callback(received)
 
     for signum in STOP_SIGNALS:
@@ -98,8 +105,7 @@ def stop_event(event: asyncio.Event | None = None) -> asyncio.Event:
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
-        _stop_signalled.set()
-        stop_waiting_on_redis()
+        _stopping()
         event.set()
 
     for signum in STOP_SIGNALS:
@@ -151,6 +157,7 @@ def run_service(
         return EXIT_BAD_CONFIG
     setup_logging(name, cfg.run_dir)
     watch_parent()
+    _in_service.set()
     try:
         try:
             return serve(cfg)
@@ -170,3 +177,6 @@ def run_service(
     except Exception:
         logging.getLogger(name).exception("%s failed", name)
         return EXIT_FAILED
+    finally:
+        _in_service.clear()
+        _stop_signalled.clear()
