@@ -13,9 +13,11 @@ into any number of ranks, one process included (DCP reshards on load), so a run 
 With ranks, every rank calls save/load (they are collectives); rank 0 writes the rest and renames.
 
 `save_checkpoint` writes and returns. `CheckpointWriter` (the trainer service's) writes in the background:
-`start` copies the state to host memory (`dcp.async_save`'s staging; the copy doubles the host memory of the
-model, AdamW state and kept snapshots until the write ends) and returns; a thread writes the copy, renames
-it into place and prunes. At most one write is in flight: `start` first waits for the previous one.
+`start` copies what training changes, the weights and the AdamW state, to host memory (`dcp.async_save` with
+DCP's own stager: the copy doubles their host memory until the write ends) and returns; a thread writes it,
+renames the folder into place and prunes. The kept snapshots are written as they are, not copied: a version's
+tensors are made once (VersionSnapshots.keep, or a load) and only read after that, and a released version's
+tensors live on in the write that holds them. At most one write is in flight: `start` waits for the previous one.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -211,10 +214,12 @@ class CheckpointWriter:
         self._swept = True
         write = _Write.begin(checkpoint_dir, train_step=train_step, keep=keep, extra_state=extra_state,
                              group=self.process_group)
+        stager = _TrainingStateStager()
         try:
             written = _dcp(dcp.async_save, _tensor_state(train_step), checkpoint_id=write.tmp,
-                           process_group=self.process_group, no_dist=not dist.is_initialized())
+                           process_group=self.process_group, async_stager=stager, no_dist=not dist.is_initialized())
         except BaseException:
+            stager.close()
             write.discard()
             raise
         outcome: dict[str, Any] = {}
@@ -224,11 +229,35 @@ class CheckpointWriter:
                 outcome["path"] = write.complete(tensors_written=written.result)
             except BaseException as err:  # reported by wait() on the caller's thread
                 outcome["error"] = err
+            finally:
+                stager.close()  # the host copy goes
 
         self._outcome = outcome
         self._thread = threading.Thread(target=finish, name=f"checkpoint-{write.final.name}", daemon=True)
         self._thread.start()
         return write.final
+
+
+class _TrainingStateStager:
+    """dcp.async_save's stager (torch.distributed.checkpoint.staging.AsyncStager): a host copy of what the next
+    steps change (the weights and the AdamW state, by DCP's DefaultStager); the kept snapshots as they are."""
+
+    should_synchronize_after_execute = False
+    COPIED = ("model", "optimizer")
+
+    def __init__(self) -> None:
+        self._copier = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=False))
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        assert set(state_dict) == {*self.COPIED, "snapshots"}, sorted(state_dict)
+        return {**state_dict, **{part: self._copier.stage(state_dict[part]) for part in self.COPIED}}
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: `stage` copies before it returns."""
+
+    def close(self) -> None:
+        self._copier.close()
 
 
 def _sweep_partial(root: Path) -> None:

@@ -204,8 +204,11 @@ def test_a_background_checkpoint_holds_the_state_of_its_start(tmp_path, monkeypa
     torch_draw, python_draw, numpy_draw = torch.rand(3), random.random(), np.random.rand()
     assert held.entered.wait(WAIT_S) and writer.in_flight and not writer.finished()
     train(train_step, range(3, 5))  # the model, AdamW and lambda move on while the write is held
+    train_step.mark_published(2)  # a version kept and one released meanwhile (snapshots are written uncopied)
+    assert train_step.snapshots.release_below(1) == [0]
     moved = whole_state(train_step)
     assert any(not torch.equal(moved[name], want[name]) for name in want if name.startswith("model."))
+    assert any(not torch.equal(moved[name], want[name]) for name in want if name.startswith("optimizer."))
     assert list_checkpoints(tmp_path) == [previous]  # not in place yet, the previous one not pruned
     held.release()
     assert writer.wait() == path == tmp_path / "step_00000003"
