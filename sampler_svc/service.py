@@ -1,9 +1,15 @@
 """The sampler service: takes tasks within its capacity, generates G samples per task with vLLM, pushes
 one rollout per sample, acks the task, and follows the coordinator's weight updates.
 
-    start()  engine, streams, coordinator registration, weight-update subscription, heartbeats
+    start()  engine, streams, coordinator registration, weight-update subscription, weight loader, heartbeats
     run()    read tasks while there is capacity -> generate -> push rollouts -> ack
     stop()   cancel background work, shut the engine down (unacked tasks are redelivered to others)
+
+Weight updates are loaded by one background task, the newest heard of first. A load that fails (a corrupted or
+missing file, a sha256 mismatch) is acked with its error (the coordinator marks the sampler unhealthy and stops
+waiting for it) and tried again after `sampler.reload_retry_s`, doubled each time up to `reload_retry_max_s`, or
+at once when a newer version is announced. Until a load succeeds, a sampler left on a version older than the
+published one takes no task: its rollouts would be ever staler, and the other samplers take the tasks.
 """
 
 from __future__ import annotations
@@ -49,6 +55,17 @@ class SamplerService:
         self.conn: RedisConnection | None = None
         self.coordinator: AsyncCoordinatorClient | None = None
         self.failure: BaseException | None = None
+        self.published_version = 0
+        """The newest version the coordinator published, as this sampler last heard (updates, heartbeats)."""
+        self.wanted_update: pb.WeightUpdate | None = None
+        """The newest weight update heard of: what the loader loads while the engine serves an older version."""
+        self.newer_update = asyncio.Event()
+        """Set when `wanted_update` changed (wakes the loader)."""
+        self.load_error = ""
+        """Why the last weight load failed; "" once a load succeeded."""
+        self.may_take_tasks = asyncio.Event()
+        """Clear while a failed load leaves this sampler on a version older than the published one."""
+        self.may_take_tasks.set()
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -66,7 +83,10 @@ class SamplerService:
         start_metrics_server(cfg.sampler.metrics_port)
         self.metrics = MetricsSink(service="sampler")
         await self.register()
-        self.background = [asyncio.create_task(self.follow_weight_updates()), asyncio.create_task(self.heartbeats())]
+        if self.wanted_update is not None:  # published before this sampler started: loaded before any task
+            await self.apply_update(self.wanted_update)
+        self.background = [asyncio.create_task(self.follow_weight_updates()), asyncio.create_task(self.heartbeats()),
+                           asyncio.create_task(self.load_weights())]
         logger.info("sampler %s ready (capacity %d tasks)", self.sampler_id, self.capacity)
         return self
 
@@ -87,6 +107,9 @@ class SamplerService:
     async def run(self) -> None:
         """Take tasks only while fewer than `capacity` are in flight; others stay for other samplers."""
         while not self.stopping.is_set():
+            if not self.may_take_tasks.is_set():
+                await self.may_take_tasks.wait()
+                continue
             free = self.capacity - len(self.inflight)
             if free <= 0:
                 await asyncio.wait(self.inflight, return_when=asyncio.FIRST_COMPLETED)
@@ -144,8 +167,11 @@ class SamplerService:
             hostname=socket.gethostname(), pid=os.getpid(),
         )
         reply = await self.coordinator.call("RegisterSampler", request)
-        if reply.HasField("latest") and reply.latest.weight_version > self.engine.weight_version:
-            await self.apply_update(reply.latest)
+        self.note_published(reply.published_version)
+        if reply.HasField("latest"):
+            self.want(reply.latest)
+        if self.load_error and self.wanted_update is not None:  # registering again cleared it at the coordinator
+            await self.ack(self.wanted_update.weight_version, error=self.load_error, load_s=0.0)
 
     async def follow_weight_updates(self) -> None:
         """Keep a SubscribeWeightUpdates stream open; reload and ack each update; resubscribe on loss."""
@@ -157,7 +183,11 @@ class SamplerService:
             try:
                 async for update in self.coordinator.stream("SubscribeWeightUpdates", request):
                     attempt = 0
-                    await self.apply_update(update)
+                    if update.weight_version <= self.engine.weight_version:  # served already (or newer)
+                        self.note_published(update.weight_version)
+                        await self.ack(self.engine.weight_version, error="", load_s=0.0)
+                    else:
+                        self.want(update)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:  # the coordinator forgot us: register again
                     with contextlib.suppress(grpc.aio.AioRpcError):
@@ -167,31 +197,91 @@ class SamplerService:
             await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
             attempt += 1
 
-    async def apply_update(self, update: pb.WeightUpdate) -> None:
+    def want(self, update: pb.WeightUpdate) -> None:
+        """Note a weight update; the loader loads the newest one newer than the engine's version."""
+        self.note_published(update.weight_version)
         if update.weight_version <= self.engine.weight_version:
-            error, load_s = "", 0.0
-        else:
-            started = time.perf_counter()
+            return
+        if self.wanted_update is None or update.weight_version > self.wanted_update.weight_version:
+            self.wanted_update = update
+            self.newer_update.set()
+
+    def note_published(self, weight_version: int) -> None:
+        self.published_version = max(self.published_version, weight_version)
+        self.update_task_gate()
+
+    def update_task_gate(self) -> None:
+        """Take tasks unless a failed load left this sampler on a version older than the published one."""
+        stale = bool(self.load_error) and self.engine.weight_version < self.published_version
+        if stale and self.may_take_tasks.is_set():
+            self.may_take_tasks.clear()
+            logger.warning("taking no tasks while version %d cannot be loaded (serving %d)",
+                           self.published_version, self.engine.weight_version)
+        elif not stale and not self.may_take_tasks.is_set():
+            self.may_take_tasks.set()
+            logger.info("taking tasks again (serving version %d)", self.engine.weight_version)
+
+    async def load_weights(self) -> None:
+        """Load the newest weight update heard of. After a failed load, try again after `reload_retry_s`,
+        doubled after each further failure up to `reload_retry_max_s`, or at once when a newer update arrives."""
+        cfg = self.cfg.sampler
+        failures = 0
+        while not self.stopping.is_set():
+            await self.newer_update.wait()
+            self.newer_update.clear()
+            update = self.wanted_update
+            if update is None or update.weight_version <= self.engine.weight_version:
+                continue
             try:
-                await self.engine.reload_weights(
-                    Path(update.path), weight_version=update.weight_version, expected_sha256=update.sha256
-                )
-                error = ""
-                logger.info("now serving weight version %d (%s)", update.weight_version, update.reason)
-            except WeightsError as err:
-                error = str(err)
-                logger.error("refused weight version %d: %s (still serving %d)",
-                             update.weight_version, err, self.engine.weight_version)
-            except EngineError as err:  # the swap failed part-way: this engine cannot serve any more
-                self.failure = err
-                self.stopping.set()
-                error = f"engine failed while loading: {err}"
-            load_s = time.perf_counter() - started
+                loaded = await self.apply_update(update)
+            except grpc.aio.AioRpcError as err:  # the ack did not reach the coordinator: the load itself counts
+                logger.warning("AckWeightVersion of version %d failed: %s", update.weight_version, err.details())
+                loaded = not self.load_error
+            if loaded or self.stopping.is_set():
+                failures = 0
+                continue
+            failures += 1
+            delay = min(cfg.reload_retry_s * 2 ** (failures - 1), cfg.reload_retry_max_s)
+            logger.warning("weight version %d failed to load (%d in a row); next try in %.1f s",
+                           update.weight_version, failures, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.newer_update.wait(), delay)
+            self.newer_update.set()  # the newest wanted update, newer or the same
+
+    def version_path(self, update: pb.WeightUpdate) -> Path:
+        """The update's version folder as this sampler sees it (`sampler.weights_dir`, when set, holds it)."""
+        if self.cfg.sampler.weights_dir is None:
+            return Path(update.path)
+        return Path(self.cfg.sampler.weights_dir) / Path(update.path).name
+
+    async def apply_update(self, update: pb.WeightUpdate) -> bool:
+        """Load `update` into the engine and ack it (with the error when the load failed); True once loaded."""
+        started = time.perf_counter()
+        try:
+            await self.engine.reload_weights(
+                self.version_path(update), weight_version=update.weight_version, expected_sha256=update.sha256
+            )
+            self.load_error = ""
+            logger.info("now serving weight version %d (%s)", update.weight_version, update.reason)
+        except WeightsError as err:
+            self.load_error = str(err)
+            logger.error("refused weight version %d: %s (still serving %d)",
+                         update.weight_version, err, self.engine.weight_version)
+        except EngineError as err:  # the swap failed part-way: this engine cannot serve any more
+            self.failure = err
+            self.stopping.set()
+            self.load_error = f"engine failed while loading: {err}"
+        self.update_task_gate()
         self.metrics.gauge("weight_version", self.engine.weight_version)
+        await self.ack(update.weight_version, error=self.load_error, load_s=time.perf_counter() - started)
+        return not self.load_error
+
+    async def ack(self, weight_version: int, *, error: str, load_s: float) -> None:
         request = pb.AckWeightVersionRequest(
-            sampler_id=self.sampler_id, weight_version=update.weight_version, error=error, load_s=load_s
+            sampler_id=self.sampler_id, weight_version=weight_version, error=error, load_s=load_s
         )
-        await self.coordinator.call("AckWeightVersion", request)
+        reply = await self.coordinator.call("AckWeightVersion", request)
+        self.note_published(reply.published_version)
 
     async def heartbeats(self) -> None:
         while not self.stopping.is_set():
@@ -200,7 +290,8 @@ class SamplerService:
                 num_inflight_tasks=len(self.inflight), num_rollouts=self.num_rollouts, num_tokens=self.num_tokens,
             )
             try:
-                await self.coordinator.call("Heartbeat", request, timeout_s=10, retry=False)
+                reply = await self.coordinator.call("Heartbeat", request, timeout_s=10, retry=False)
+                self.note_published(reply.published_version)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     with contextlib.suppress(grpc.aio.AioRpcError):

@@ -42,8 +42,11 @@ from rlcommon.tokenizer import load_tokenizer
 from rlcommon.weight_store import (
     PublishedVersion,
     WeightsError,
+    delete_version,
     manifest_sha256,
     publish_version,
+    published_versions,
+    sweep_partial,
     verify_version_folder,
     version_folder,
 )
@@ -51,6 +54,15 @@ from rlcommon.wire import Rollout
 from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint
 from trainer_svc.parallel import DataParallel
 from trainer_svc.ranks import Ranks
+from trainer_svc.retention import (
+    HEALTHY,
+    LOST,
+    UNHEALTHY,
+    SamplerPins,
+    SamplerState,
+    lag_refusal,
+    versions_to_delete,
+)
 from trainer_svc.stages import StageClock, rollout_timings
 from trainer_svc.step import StepResult, TrainStep
 
@@ -123,6 +135,8 @@ class TrainerService:
         """How often the trainer reports the slots it holds of the batch it waits on."""
         self.release_after: dict[int, int] = {}
         """weight version -> last batch id that may hold its rollouts (set once no live sampler serves it)."""
+        self.sampler_pins = SamplerPins(grace_s=cfg.trainer.unhealthy_sampler_grace_s)
+        """Which samplers pin the version they serve (not lost; unhealthy for at most the grace)."""
         self.stages = StageClock()
         """Wall time per stage of the loop, reported in every metrics row (trainer_svc/stages.py)."""
         self.stopping = threading.Event()
@@ -139,6 +153,9 @@ class TrainerService:
     def start(self) -> TrainerService:
         cfg = self.cfg
         self.train_step, self.model_dir, checkpoint, state = build_train_step(cfg, self.parallel)
+        swept = sweep_partial(cfg.publish_dir)  # a publish or a delete cut short by a crash
+        if swept:
+            logger.info("removed %d partial folders from %s: %s", len(swept), cfg.publish_dir, ", ".join(swept))
         self.ranks = Ranks(self.train_step, self.parallel)
         self.checkpointed_step = 0
         """The step the latest checkpoint holds (0: none; the initial state needs none)."""
@@ -300,6 +317,15 @@ class TrainerService:
             # checkpoint re-creates it before any batch that holds this rollout is trained.
         elif not self.train_step.snapshots.is_kept(version) and rollout.batch_id >= self.next_batch_id:
             return f"weight_version {version} is no longer kept by the trainer"
+        elif rollout.batch_id >= self.next_batch_id:
+            snapshots = self.train_step.snapshots
+            return lag_refusal(
+                weight_version=version,
+                train_step=rollout.batch_id + self.train_step.step - self.next_batch_id,  # the step that trains it
+                published_steps={v: snapshots.published_step(v) for v in snapshots.versions},
+                max_lag_steps=self.cfg.coordinator.max_lag_steps,
+                max_inflight_batches=self.cfg.coordinator.max_inflight_batches,
+            )
         return None
 
     def train_batch(self, batch_id: int) -> None:
@@ -339,6 +365,7 @@ class TrainerService:
             "publish": bool(reply.publish),
             "sync_reason": reply.reason if reply.publish else "",
             "published_version": synced,
+            "snapshots_kept": len(self.train_step.snapshots.versions),
             "skip_reason": result.skip_reason or "",
             "time": time.time(),
             **rollout_timings(rollouts, [buffer.received_at[slot] for slot in slots]),
@@ -379,6 +406,14 @@ class TrainerService:
         folder = version_folder(self.cfg.publish_dir, weight_version)
         if folder.exists():
             published = self.reuse_published(folder, weight_version=weight_version, step=step)
+        elif weight_version < self.published_version:
+            # Published and announced before a restart, deleted since (no sampler served it any more), and the
+            # coordinator has published newer versions: no sampler will be sent this one again. Only its snapshot
+            # is kept again (the batches planned before the next version may hold its rollouts).
+            self.ranks.do("keep", weight_version=weight_version)
+            logger.info("weight version %d was published before a restart and deleted since: kept as a snapshot "
+                        "only (the coordinator has published version %d)", weight_version, self.published_version)
+            return weight_version
         else:
             whole = self.ranks.do("whole_weights")  # a sharded model's tensors gathered here (None otherwise)
             published = publish_version(
@@ -395,7 +430,33 @@ class TrainerService:
             ),
         )
         self.published_version = max(self.published_version, weight_version)
+        self.delete_old_versions()
         return weight_version
+
+    def delete_old_versions(self) -> None:
+        """Delete the published version folders the run no longer needs (trainer_svc/retention.py): kept are every
+        version from the oldest one a pinning sampler serves (it may be loading any newer one), the snapshots,
+        the active sync's version, versions ahead of the trainer (a replay reuses them), the newest
+        `trainer.keep_versions.latest` and the multiples of `keep_versions.every`."""
+        status = self.refresh_status()
+        serving = self.sampler_pins.serving_versions(sampler_states(status))
+        pinned = set(self.train_step.snapshots.versions)
+        if status.HasField("sync_in_progress"):
+            pinned.add(status.sync_in_progress.weight_version)
+        keep = self.cfg.trainer.keep_versions
+        doomed = versions_to_delete(
+            published_versions(self.cfg.publish_dir), pinned=pinned,
+            keep_from=min([*serving, self.train_step.weight_version + 1]), latest=keep.latest, every=keep.every,
+        )
+        deleted = []
+        for version in doomed:
+            try:
+                if delete_version(self.cfg.publish_dir, version):
+                    deleted.append(version)
+            except OSError as err:  # a full or read-only disk must not stop training: tried again next time
+                logger.warning("could not delete weight version %d: %s", version, err)
+        if deleted:
+            logger.info("deleted published weight versions %s", deleted)
 
     @staticmethod
     def reuse_published(folder: Path, *, weight_version: int, step: int) -> PublishedVersion:
@@ -449,12 +510,14 @@ class TrainerService:
 
         Once every live sampler serves a version newer than v, only batches planned so far can hold
         rollouts of v (later batches' tasks do not exist yet); v is released when all of those are trained.
+        A sampler unhealthy for longer than `trainer.unhealthy_sampler_grace_s` counts as gone, as a lost one
+        does (`SamplerPins`): its later rollouts of a released version are dead-lettered and re-issued.
         With only the live version kept there is nothing to release (and no status to ask for).
         """
         if len(self.train_step.snapshots.versions) <= 1:
             return
         status = self.refresh_status()
-        serving = [s.weight_version for s in status.samplers if s.health != pb.SAMPLER_LOST]
+        serving = self.sampler_pins.serving_versions(sampler_states(status))
         floor = min(serving, default=self.train_step.weight_version)
         last_planned = status.batches.total - 1
         for version in self.train_step.snapshots.versions:
@@ -503,6 +566,14 @@ class TrainerService:
 
     def rpc(self, method: str, request: Any) -> Any:
         return self.coordinator.call(method, request)
+
+
+SAMPLER_HEALTH = {pb.SAMPLER_HEALTHY: HEALTHY, pb.SAMPLER_UNHEALTHY: UNHEALTHY, pb.SAMPLER_LOST: LOST}
+
+
+def sampler_states(status: Any) -> list[SamplerState]:
+    """The samplers of a GetStatus reply (a health the trainer does not know counts as healthy: it pins)."""
+    return [SamplerState(s.sampler_id, s.weight_version, SAMPLER_HEALTH.get(s.health, HEALTHY)) for s in status.samplers]
 
 
 def truncate_metrics(path: Path, *, before_step: int) -> int:

@@ -368,6 +368,8 @@ def fault_run(tmp_path_factory) -> dict[str, Any]:
         f"--trainer.checkpoint_every={CHECKPOINT_EVERY}",
         "--trainer.keep_checkpoints=2",
         "--redis.appendfsync=always",  # so that a kill -9 of redis-server loses no acknowledged write
+        # Every version folder stays: the replay checks below reuse them (a deleted one: test_weight_retention.py).
+        "--trainer.keep_versions.every=1",
     ])
     driver = FaultDriver(cfg)
     obs: dict[str, Any] = {"run_dir": run_dir, "cfg": cfg}

@@ -3,6 +3,8 @@ rollouts are refused. Pure rules, checked against hand-worked cases."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trainer_svc.retention import (
@@ -134,3 +136,41 @@ def test_a_superseded_version_is_refused_past_the_cap_plus_the_window():
 @pytest.mark.parametrize("version", [0, 7])
 def test_versions_the_trainer_does_not_keep_are_left_to_the_other_checks(version):
     assert refusal(version, 1000) is None
+
+
+# --------------------------------------------------------------------------- the trainer service's rollout check
+
+
+def test_the_trainer_refuses_a_superseded_rollout_past_the_cap_and_trains_the_rest():
+    """`TrainerService.rollout_problem` on a real TrainStep: versions 1 and 2 published at steps 3 and 5, the
+    trainer at step 8 (next batch 8), max_lag_steps 2 and 2 batches in flight. Version 1 was superseded at step 5:
+    its rollouts for batches 8 and 9 are trained, for batch 10 (trained at step 10, 5 > 2 + 2 steps after) refused;
+    version 2 is the newest (trained however old); version 0 is no longer kept."""
+    from rlcommon.config import RunConfig, load_config
+    from rlcommon.plan_ids import slot_rollout_id
+    from tests.unit.trainer_helpers import make_rollouts, tiny_model
+    from trainer_svc.service import TrainerService
+    from trainer_svc.step import TrainStep
+
+    cfg = load_config(RunConfig, [], ["--coordinator.max_lag_steps=2", "--coordinator.max_inflight_batches=2",
+                                      "--coordinator.batch_size=2", "--coordinator.group_size=4"])
+    train_step = TrainStep(tiny_model(tied=False), config=cfg.trainer, pad_id=0)
+    for step, version in ((3, 1), (5, 2)):
+        train_step.step = step
+        train_step.mark_published(version)
+    train_step.step = 8
+    train_step.snapshots.release_below(1)
+    service = TrainerService(cfg)
+    service.train_step, service.next_batch_id, service.planned_batches, service.published_version = train_step, 8, 12, 2
+
+    def problem(version: int, batch_id: int) -> str | None:
+        rollout = dataclasses.replace(make_rollouts(num_groups=1, weight_version=version)[0], batch_id=batch_id,
+                                      rollout_id=slot_rollout_id(batch_id, 0, 0))
+        return service.rollout_problem(rollout, horizon=12)
+
+    assert problem(1, 8) is None and problem(1, 9) is None
+    assert problem(1, 10).startswith("weight_version 1 is 7 trainer steps old at step 10 and was superseded by "
+                                     "version 2 5 steps before")
+    assert problem(2, 11) is None
+    assert problem(0, 8) == "weight_version 0 is no longer kept by the trainer"
+    assert problem(1, 3) is None  # an already trained batch: dropped as a duplicate, not refused
