@@ -434,7 +434,7 @@ class StreamProducer:
         return cls(
             conn,
             stream_key(bus.run_id, name),
-            max_stream_len=bus.max_stream_len,
+            max_stream_len=bus.max_stream_len if bus.max_stream_len is not None else 4096,
             max_queue_depth=bus.max_queue_depth if backpressure else None,
             groups=[OWNED_GROUPS[name]] if name in OWNED_GROUPS else None,
         )

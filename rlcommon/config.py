@@ -77,8 +77,10 @@ class BusConfig(StrictModel):
     """A pending entry idle this long at another consumer is claimed (XCLAIM): that consumer is presumed dead."""
     block_ms: int = Field(1000, ge=1)
     """XREADGROUP block timeout."""
-    max_stream_len: int = Field(100_000, ge=100)
-    """Trim target; trimming never drops entries that are still unacknowledged."""
+    max_stream_len: int | None = Field(None, ge=100)
+    """Acknowledged entries past this many are trimmed (unacknowledged ones never are); they stay only for the
+    dashboard's rollout browser, so Redis holds about this many rollouts at most beyond the queue. None (in a
+    RunConfig): bus.max_queue_depth."""
     max_queue_depth: int | None = Field(None, ge=1)
     """Backpressure: producers wait while the rollout stream holds more undelivered+pending entries. None
     (in a RunConfig): twice what the trainer may hold unacked, at least 4096 (see `RunConfig`)."""
@@ -342,6 +344,17 @@ class CoordinatorConfig(StrictModel):
     """A sampler with no heartbeat for this long is not live."""
     batch_stall_s: float = Field(120.0, gt=0)
     """Re-issue the missing slots of the batch the trainer waits on once its slots stop filling this long."""
+    keep_trained_batches: int = Field(1000, ge=1)
+    """Trained batches whose plan and ledger entry stay in the coordinator's state (older ones are counted only)."""
+    keep_syncs: int = Field(1000, ge=1)
+    """Syncs kept in the sync history (older ones are counted only)."""
+    keep_step_rows: int = Field(10000, ge=0)
+    """Rows of the dashboard's step series kept in Redis (the last ones; metrics.jsonl keeps every step)."""
+    forget_lost_sampler_s: float = Field(3600.0, gt=0)
+    """A sampler lost for this long is dropped from the registry (e.g. a replaced container's id)."""
+    state_check_s: float = Field(2.0, gt=0)
+    """How often the coordinator checks that Redis still holds its state (a restarted Redis that lost writes
+    gets the whole state written back)."""
     auth_token: str | None = None
     """Shared token required (metadata `authorization: Bearer <token>`) on state-changing calls."""
     tls_cert: str | None = None
@@ -372,17 +385,6 @@ class CoordinatorConfig(StrictModel):
             raise ValueError("coordinator.tls_cert and coordinator.tls_key must be set together")
         return self
 
-    keep_trained_batches: int = Field(1000, ge=1)
-    """Trained batches whose plan and ledger entry stay in the coordinator's state (older ones are counted only)."""
-    keep_syncs: int = Field(1000, ge=1)
-    """Syncs kept in the sync history (older ones are counted only)."""
-    keep_step_rows: int = Field(10000, ge=0)
-    """Rows of the dashboard's step series kept in Redis (the last ones; metrics.jsonl keeps every step)."""
-    forget_lost_sampler_s: float = Field(3600.0, gt=0)
-    """A sampler lost for this long is dropped from the registry (e.g. a replaced container's id)."""
-    state_check_s: float = Field(2.0, gt=0)
-    """How often the coordinator checks that Redis still holds its state (a restarted Redis that lost writes
-    gets the whole state written back)."""
     @model_validator(mode="after")
     def _lag_cap_policy(self) -> CoordinatorConfig:
         if self.max_lag_steps is not None and self.sync_policy not in ("ess", "every_k"):
@@ -455,6 +457,8 @@ class RunConfig(StrictModel):
         held = (self.trainer.checkpoint_every - 1 + c.max_inflight_batches) * c.batch_size * c.group_size
         if self.bus.max_queue_depth is None:
             self.bus.max_queue_depth = max(4096, 2 * held)
+        if self.bus.max_stream_len is None:
+            self.bus.max_stream_len = self.bus.max_queue_depth
         if self.bus.max_queue_depth < held:
             raise ValueError(
                 f"bus.max_queue_depth = {self.bus.max_queue_depth} is below the {held} rollouts the trainer may "

@@ -72,7 +72,8 @@ def test_from_config_uses_run_namespace(conn):
     producer = StreamProducer.from_config(conn, bus, "tasks")
     reader = StreamConsumer.from_config(conn, bus, "tasks", group="samplers", consumer="s0", expected=Task)
     assert producer.stream == reader.stream == "dlc:r7:tasks"
-    assert producer.max_queue_depth == 9 and producer.max_stream_len == bus.max_stream_len
+    assert producer.max_queue_depth == 9 and producer.max_stream_len == 4096  # max_stream_len None: 4096
+    assert StreamProducer.from_config(conn, bus.model_copy(update={"max_stream_len": 300}), "tasks").max_stream_len == 300
     assert reader.deadletter_stream == "dlc:r7:deadletter"
     assert (reader.claim_idle_ms, reader.block_ms) == (500, 20)
 
