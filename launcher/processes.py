@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.lifecycle import spawn
 from rlcommon.config import RunConfig
+from rlcommon.entrypoint import STOP_WITH_PARENT_ENV
 from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
@@ -123,34 +125,50 @@ def service_specs(
     return specs
 
 
+STOP_TIMEOUT_S = 20.0
+"""How long a stopping service may take after SIGTERM before it is killed (a stop normally takes a few seconds,
+whatever state Redis is in: rlcommon/entrypoint.py)."""
+
+
 class ServiceProcess:
-    """A started service: its process and log file."""
+    """A started service: its process (in a process group of its own, which dies with the launcher: SIGTERM
+    when the launcher dies, launcher/lifecycle.py) and its log file."""
 
     def __init__(self, spec: ServiceSpec, log_dir: Path) -> None:
         self.spec = spec
         self.log_path = log_dir / f"{spec.name}.log"
         self._log = self.log_path.open("ab")
-        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", STOP_WITH_PARENT_ENV: str(os.getpid())}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        self.process = subprocess.Popen(
+        self.process = spawn(
             spec.argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def poll(self) -> int | None:
         return self.process.poll()
 
-    def stop(self, timeout_s: float = 20.0) -> None:
+    def terminate(self) -> None:
+        """SIGTERM, and SIGCONT to its group (a paused (SIGSTOP) service must see the SIGTERM)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGCONT)  # a paused (SIGSTOP) service must see the SIGTERM
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0f s; killing it", self.spec.name, timeout_s)
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
+                os.killpg(self.process.pid, signal.SIGCONT)
+
+    def wait_stopped(self, deadline: float) -> None:
+        """Wait until the process has exited, killing its group at `deadline` (time.monotonic()); then kill what
+        is left of its group (an engine child) and close the log."""
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in time; killing it", self.spec.name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
         self._log.close()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        self.terminate()
+        self.wait_stopped(time.monotonic() + timeout_s)
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -163,8 +181,10 @@ class ServiceDied(RuntimeError):
     pass
 
 
-RESTART_POLICY = {"coordinator": "unless-stopped", "sampler_svc": "on-failure", "trainer_svc": "on-failure"}
-"""compose's `restart:` of each service's module (docker-compose.yml; a test checks that they agree)."""
+RESTART_POLICY = {"coordinator": "unless-stopped", "sampler_svc": "on-failure", "trainer_svc": "on-failure",
+                  "redis-server": "unless-stopped"}
+"""compose's `restart:` of each service's module, and of the embedded redis-server (docker-compose.yml; tests check
+that they agree)."""
 RESTART_BACKOFF_S = 0.5
 """Wait before a service's first restart; doubled for each further one, up to RESTART_BACKOFF_MAX_S."""
 RESTART_BACKOFF_MAX_S = 8.0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import launcher
+from launcher.lifecycle import RunDirInUseError
 from launcher.processes import REPO, ServiceDied, service_died
 from launcher.stack import LocalStack
 from rlcommon.config import ConfigError, RunConfig, load_config
@@ -92,7 +93,7 @@ def dead_letter_count(redis_url: str, run_id: str) -> int:
 
     from rlcommon.bus import stream_key
 
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=10)
     try:
         return int(client.xlen(stream_key(run_id, "deadletter")))
     finally:
@@ -205,13 +206,25 @@ def run(
     return summary
 
 
-def _raise_interrupt(signum, _frame):
+_interrupted = False
+
+
+def _interrupt_once(signum, _frame):
+    """The first SIGINT or SIGTERM stops the run (KeyboardInterrupt); a second one must not cut the stop short
+    (it would leave services behind), so it is only logged."""
+    global _interrupted
+    if _interrupted:
+        logger.warning("signal %d: already stopping every service", signum)
+        return
+    _interrupted = True
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the stack like Ctrl-C does
+    signal.signal(signal.SIGTERM, _interrupt_once)  # `kill` stops the stack like Ctrl-C does
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
+        signal.signal(signal.SIGINT, _interrupt_once)
     try:
         cfg, args = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as err:
@@ -224,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotFoundError as err:
         logger.error("%s", err)
         return 2
+    except RunDirInUseError as err:
+        logger.error("%s", err)
+        return 1
     except ServiceDied as err:
         logger.error("%s", err)
         return 1

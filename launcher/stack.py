@@ -1,4 +1,5 @@
-"""`LocalStack`: redis-server, coordinator, samplers and trainer as processes on this machine."""
+"""`LocalStack`: redis-server, coordinator, samplers and trainer as processes on this machine, each restarted as
+compose's `restart:` would, all dying with the launcher, one launcher per run folder."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from launcher.lifecycle import RunDirLock, spawn
 from launcher.processes import (
     RESTART_POLICY,
+    STOP_TIMEOUT_S,
     ServiceDied,
     ServiceProcess,
     ServiceSpec,
@@ -25,12 +28,18 @@ from launcher.processes import (
 from rlcommon.config import RunConfig, dump_toml
 from rlcommon.rpc import CoordinatorClient
 
+REDIS_START_TIMEOUT_S = 120.0
+"""Longest the embedded redis-server may take to answer (it replays its append-only file first)."""
+REDIS = "redis"
+"""The embedded redis-server's name in `restarts` and in the progress lines (compose's service name)."""
+
 
 class LocalStack:
     """redis-server (embedded unless `redis.url` is set), coordinator, samplers and trainer as processes.
 
     The launcher's `run` drives one; the end-to-end and fault-injection tests drive it directly
-    (`kill`, `restart`, `restart_redis`) to exercise the real stack.
+    (`kill`, `restart`, `restart_redis`) to exercise the real stack. `start` takes the run folder's lock
+    (launcher/lifecycle.py: a second stack on the folder is refused, naming the holder), `stop` releases it.
     """
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -51,7 +60,8 @@ class LocalStack:
         """The launcher's own client of the coordinator (health, summary); tests use it too."""
         self.specs: dict[str, ServiceSpec] = {}
         self.restarts: dict[str, int] = {}
-        """Restarts of each service by `restart_exited` (only the services restarted)."""
+        """Restarts of each service by `restart_exited` (only the services restarted; redis-server as `redis`)."""
+        self.lock = RunDirLock(self.run_dir)
 
     def start(self, *, hold: tuple[str, ...] = ()) -> LocalStack:
         """Start redis-server (if embedded), the coordinator and every other service except those in `hold` (a
@@ -60,6 +70,7 @@ class LocalStack:
         from rlcommon.models import resolve_model
         from rlcommon.redis_acl import SERVICE_USERS, service_users
 
+        self.lock.acquire()  # before anything writes the folder (or a second redis-server opens its AOF)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         logger.info("model: %s", self.cfg.model.name_or_path)
         model_dir = resolve_model(self.cfg.model, self.cfg.task)
@@ -69,7 +80,8 @@ class LocalStack:
         if self.redis_url is None:  # each service logs in as its own user (rlcommon/redis_acl.py)
             self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis",
                                               appendfsync=self.cfg.redis.appendfsync,
-                                              users=service_users(self.cfg.bus.run_id)).start()
+                                              users=service_users(self.cfg.bus.run_id), popen=spawn,
+                                              start_timeout_s=REDIS_START_TIMEOUT_S).start()
             self.redis_url = self.redis_server.url  # admin: the launcher's and the tests' own reads
             redis_urls = {user: self.redis_server.url_for(user) for user in SERVICE_USERS}
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
@@ -132,7 +144,10 @@ class LocalStack:
         """Start again each service that has exited, as compose's `restart:` would (`restart_delay`), and
         `report` it. Returns the services that exited with code 0 and that `on-failure` leaves stopped (the
         trainer once it is done); raises ServiceDied for one that exited once too often. A restarted
-        coordinator is waited for until it serves (one that dies while starting is seen at the next call)."""
+        coordinator is waited for until it serves (one that dies while starting is seen at the next call).
+        The embedded redis-server comes first (`unless-stopped`), on its port, folder and users: the services
+        ride out its absence by reconnecting (`redis.reconnect_max_s`)."""
+        self.restart_redis_if_exited(max_restarts=max_restarts, report=report)
         stopped = []
         for name, proc in list(self.processes.items()):
             code = proc.poll()
@@ -158,9 +173,53 @@ class LocalStack:
                 pass  # the coordinator died again while starting: the next call applies the policy to it
         return stopped
 
+    def restart_redis_if_exited(self, *, max_restarts: int, report: Callable[[str], None] = print) -> None:
+        """Start the embedded redis-server again if it exited by itself (not `restart_redis`), as compose's
+        `restart: unless-stopped` would, after the same backoff as the services; ServiceDied past `max_restarts`.
+        Same port, folder and passwords: every service's URL stays valid and the append-only file is reloaded."""
+        from rlcommon.embedded_redis import EmbeddedRedisError
+
+        server = self.redis_server
+        code = None if server is None else server.exit_code
+        while code is not None:
+            restarts = self.restarts.get(REDIS, 0)
+            delay = restart_delay(code, restart_policy=RESTART_POLICY["redis-server"], restarts=restarts,
+                                  max_restarts=max_restarts)
+            if delay is None:
+                raise ServiceDied(f"service '{REDIS}' (redis-server) exited with code {code} after {restarts} "
+                                  f"restarts (max_restarts = {max_restarts}); its log: {server.log_path}\n"
+                                  f"--- last lines ---\n{server.log_tail(15)}")
+            self.restarts[REDIS] = restarts + 1
+            report(f"{REDIS} exited with code {code}; restarting ({restarts + 1} of {max_restarts}); "
+                   f"log: {server.log_path}")
+            time.sleep(delay)
+            try:
+                server.start()
+                code = None
+            except EmbeddedRedisError as err:
+                report(f"{REDIS} did not start again: {err}")
+                code = 1
+
     def stop(self) -> None:
-        for name in reversed(list(self.processes)):
-            self.processes.pop(name).stop()
+        """Stop every service, then redis-server, and release the run folder. The trainer and the samplers stop
+        together; the coordinator once the trainer, its last caller, has exited. Each has STOP_TIMEOUT_S before
+        it is killed; a stop takes a few seconds whatever state Redis is in (rlcommon/entrypoint.py)."""
+        trainer, coordinator = self.processes.pop("trainer", None), self.processes.pop("coordinator", None)
+        samplers = list(self.processes.values())
+        self.processes.clear()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in filter(None, [trainer, *samplers]):
+            proc.terminate()
+        if trainer is not None:
+            trainer.wait_stopped(deadline)
+        if coordinator is not None:
+            coordinator.terminate()
+            coordinator_deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in samplers:
+            proc.wait_stopped(deadline)
+        if coordinator is not None:
+            coordinator.wait_stopped(coordinator_deadline)
         self.client.close()
         if self.redis_server is not None:
             self.redis_server.stop()
+        self.lock.release()

@@ -29,7 +29,7 @@ import socket
 import subprocess
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -100,6 +100,7 @@ def _terminate(proc: subprocess.Popen) -> None:
     """Finalizer: never leave a server behind when the owner is garbage-collected or exits."""
     if proc.poll() is None:
         proc.terminate()
+        proc.send_signal(signal.SIGCONT)
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -125,8 +126,10 @@ class EmbeddedRedis:
         appendfsync: str = "everysec",
         extra_args: tuple[str, ...] = (),
         users: Mapping[str, Sequence[str]] | None = None,
+        popen: Callable[..., subprocess.Popen] = subprocess.Popen,
     ) -> None:
-        """users: extra ACL users and their rules (rlcommon.redis_acl.service_users), besides `admin`."""
+        """users: extra ACL users and their rules (rlcommon.redis_acl.service_users), besides `admin`.
+        popen: starts the server process (the local launcher's makes it die with the launcher)."""
         self.data_dir = Path(data_dir).resolve()
         self.host = host
         self.executable = executable
@@ -135,6 +138,7 @@ class EmbeddedRedis:
             raise ValueError(f"appendfsync must be 'always', 'everysec' or 'no', got {appendfsync!r}")
         self.appendfsync = appendfsync
         self.extra_args = tuple(extra_args)
+        self.popen = popen
         self.users = {ADMIN_USER: ["~*", "&*", "+@all"]}
         self.users.update({name: list(rules) for name, rules in (users or {}).items()})
         for name, rules in self.users.items():
@@ -184,6 +188,17 @@ class EmbeddedRedis:
     def running(self) -> bool:
         """True while the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id (None when it was never started or was stopped)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """How the server exited by itself (negative: killed by that signal); None while it runs, and after
+        `stop()` or `kill()`. The local launcher restarts a server that exited (compose's `unless-stopped`)."""
+        return None if self._proc is None else self._proc.poll()
 
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers PING; raises EmbeddedRedisError with its log tail."""
@@ -238,10 +253,12 @@ class EmbeddedRedis:
             log_file.flush()
             # Own session: a Ctrl-C in the terminal reaches the owner, which stops the services that
             # use this server before it stops the server (never the other way round).
-            self._proc = subprocess.Popen(
+            self._proc = self.popen(
                 args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=self.data_dir,
                 start_new_session=True,
             )
+        if self._finalizer is not None:  # the server before this one exited by itself
+            self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _terminate, self._proc)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -277,6 +294,7 @@ class EmbeddedRedis:
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)  # a paused (SIGSTOP) server must see the SIGTERM
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

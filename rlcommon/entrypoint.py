@@ -115,12 +115,21 @@ def stop_event(event: asyncio.Event | None = None) -> asyncio.Event:
 
 def watch_parent(grace_s: float = ORPHAN_GRACE_S, *, poll_s: float = 0.2) -> threading.Thread | None:
     """When `DLC_STOP_WITH_PARENT` names this process's parent (the launcher), a daemon thread that watches it:
-    once the parent is gone (this process was re-parented), it sends this process SIGTERM, and if the process
-    is still there `grace_s` later, SIGKILLs its process group (when it leads one; else itself). None when the
-    variable is unset or names another process (e.g. a rank that torchrun started)."""
+    once the parent is gone (this process was re-parented; or it died before this started), it sends this
+    process SIGTERM, and if the process is still there `grace_s` later, SIGKILLs its process group (when it
+    leads one; else itself). None when the variable is unset or names a live process that is not the parent
+    (a rank that torchrun started: torchrun stops it)."""
     parent = os.environ.get(STOP_WITH_PARENT_ENV, "")
-    if not parent.isdigit() or int(parent) != os.getppid():
+    if not parent.isdigit():
         return None
+    if int(parent) != os.getppid():
+        try:
+            os.kill(int(parent), 0)
+            return None  # alive: another process started this one
+        except ProcessLookupError:
+            pass  # the launcher died while this process started
+        except PermissionError:
+            return None
 
     def watch() -> None:
         while os.getppid() == int(parent):
