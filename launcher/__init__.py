@@ -11,11 +11,13 @@ the run (Redis's append-only file, the coordinator's state, the trainer's checkp
 
 A service that crashes is restarted as docker compose's `restart:` would (`RESTART_POLICY`, from
 docker-compose.yml): a sampler or the trainer on a non-zero exit (or a signal), the coordinator on any
-exit (it waits for SERVING again), each at most `max_restarts` times, after a short backoff; a line in the
-progress output says which one, its exit code and where its log is. A service left stopped (past the
-bound, or one that exits 0 before the trainer has trained every step) stops the rest, saying which one
-and where its log is.
+exit (it waits for SERVING again), each at most `max_restarts` times, after a short backoff; the embedded
+redis-server as the coordinator (on the same port, append-only file and users: the services reconnect); a
+line in the progress output says which one, its exit code and where its log is. A service left stopped (past
+the bound, or one that exits 0 before the trainer has trained every step) stops the rest, saying which one
+and where its log is. Every child dies with the launcher, however it dies; one launcher per run folder.
 
 Modules: `processes` (one service as a process; compose's restart rule), `stack` (`LocalStack`, the whole
-stack, which the integration tests drive too), `run` (the run loop, progress, summary.json), `plots`.
+stack, which the integration tests drive too), `lifecycle` (children that die with the launcher; the run
+folder's lock), `run` (the run loop, progress, summary.json), `plots`.
 """
