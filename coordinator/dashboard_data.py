@@ -184,7 +184,7 @@ class DashboardData:
             scanned += len(page)
             for _, fields in page:
                 try:
-                    rollout = decode(fields.get(DATA_FIELD, b""), expected=Rollout)
+                    rollout = decode(fields.get(DATA_FIELD, b""), expected=Rollout, limits=self.core.cfg.wire)
                 except WireError:
                     continue  # a malformed entry: the trainer dead-lettered it
                 slot = (rollout.group_id, rollout.sample_index)
