@@ -301,9 +301,10 @@ class TrainerConfig(StrictModel):
     keep_versions: KeepVersionsConfig = Field(default_factory=KeepVersionsConfig)
     """Published weight versions kept on disk besides those the run needs."""
     unhealthy_sampler_grace_s: float = Field(120.0, ge=0)
-    """A sampler the coordinator reports unhealthy (a failed weight load, a missed sync ack) for longer than this
-    no longer pins the version it serves: the trainer releases that version's snapshot and folder as if no
-    sampler served it (its later rollouts of that version are dead-lettered and their slots re-issued)."""
+    """A sampler the coordinator reports unhealthy (a failed weight load, a missed sync ack) on the same weight
+    version for longer than this no longer pins that version: the trainer releases its snapshot and folder as if
+    no sampler served it (later rollouts of it are dead-lettered and their slots re-issued). One that still loads
+    newer versions keeps pinning."""
 
     @model_validator(mode="after")
     def _parallel_settings_fit(self) -> TrainerConfig:

@@ -5,9 +5,10 @@
   snapshots, the active sync's version, versions ahead of it while it replays), the newest `latest`, and every
   multiple of `every` (`trainer.keep_versions`, e.g. for evaluation).
 - `SamplerPins`: which samplers pin the versions they serve (snapshots and folders). A lost sampler does not; an
-  unhealthy one (it failed to load a version or missed a sync ack) pins for `trainer.unhealthy_sampler_grace_s`
-  from when the trainer first saw it unhealthy, then no longer: one sampler stuck on an old version must not keep
-  a model copy per publish alive in the trainer.
+  unhealthy one (it failed to load a version or missed a sync ack) pins until it has been unhealthy on the same
+  version for `trainer.unhealthy_sampler_grace_s` (from when the trainer first saw it so), then no longer: one
+  sampler stuck on an old version must not keep a model copy per publish alive in the trainer. One that still
+  loads newer versions (marked unhealthy only because its acks come after the next publish) keeps pinning.
 - `lag_refusal`: with `coordinator.max_lag_steps` set, a rollout of a version that was superseded more than
   `max_lag_steps + max_inflight_batches` steps before the step that would train it is refused. Batches planned
   before a publish (the in-flight window) are sampled with the old version by every sampler, and a load takes a
@@ -70,12 +71,13 @@ class SamplerPins:
     def __init__(self, *, grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.grace_s = grace_s
         self.clock = clock
-        self.unhealthy_since: dict[str, float] = {}
+        self.unhealthy_since: dict[str, tuple[float, int]] = {}
+        """sampler id -> (since when the trainer has seen it unhealthy on this version, that version)"""
         self._reported: set[str] = set()
 
     def serving_versions(self, samplers: Iterable[SamplerState]) -> list[int]:
-        """The versions served by samplers that pin them: not lost, and healthy or unhealthy for at most
-        `grace_s`. Updates the unhealthy-since times."""
+        """The versions served by samplers that pin them: not lost, and healthy or unhealthy on the same version
+        for at most `grace_s`. Updates the unhealthy-since times."""
         now = self.clock()
         seen = set()
         versions = []
@@ -84,13 +86,17 @@ class SamplerPins:
             if sampler.health == LOST:
                 continue
             if sampler.health == UNHEALTHY:
-                since = self.unhealthy_since.setdefault(sampler.sampler_id, now)
+                since, version = self.unhealthy_since.get(sampler.sampler_id, (now, sampler.weight_version))
+                if sampler.weight_version != version:  # it loaded another version: not stuck
+                    since, version = now, sampler.weight_version
+                    self._reported.discard(sampler.sampler_id)
+                self.unhealthy_since[sampler.sampler_id] = (since, version)
                 if now - since > self.grace_s:
                     if sampler.sampler_id not in self._reported:
                         self._reported.add(sampler.sampler_id)
-                        logger.warning("sampler %s has been unhealthy for more than %g s: its weight version %d "
-                                       "is no longer kept for it", sampler.sampler_id, self.grace_s,
-                                       sampler.weight_version)
+                        logger.warning("sampler %s has been unhealthy on weight version %d for more than %g s: "
+                                       "that version is no longer kept for it", sampler.sampler_id,
+                                       sampler.weight_version, self.grace_s)
                     continue
             else:
                 self.unhealthy_since.pop(sampler.sampler_id, None)

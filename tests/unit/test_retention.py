@@ -87,6 +87,19 @@ def test_an_unhealthy_sampler_pins_for_the_grace_then_no_longer():
     assert pins.serving_versions(states(("a", 7, HEALTHY), ("b", 6, UNHEALTHY))) == [7]
 
 
+def test_an_unhealthy_sampler_that_still_loads_newer_versions_keeps_pinning():
+    """Marked unhealthy because each of its acks comes after the next publish (policy `always`, slow loads), it is
+    not stuck: every new version it serves starts the grace again."""
+    clock = Clock()
+    pins = SamplerPins(grace_s=10, clock=clock)
+    for version in range(3, 10):
+        assert pins.serving_versions(states(("a", version + 1, HEALTHY), ("b", version, UNHEALTHY))) == [version + 1,
+                                                                                                          version]
+        clock.now += 6
+    clock.now += 5  # 11 s on version 9
+    assert pins.serving_versions(states(("a", 10, HEALTHY), ("b", 9, UNHEALTHY))) == [10]
+
+
 def test_a_sampler_that_left_the_registry_starts_a_new_grace_when_it_comes_back():
     clock = Clock()
     pins = SamplerPins(grace_s=10, clock=clock)
