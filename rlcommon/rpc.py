@@ -12,7 +12,9 @@ exponential backoff (`retryPolicy`) and, for services, waits for the channel to 
 every coordinator RPC is idempotent (a re-report gets its first answer, a re-registration resets health):
 so `call` sends again a call that a server shutting down cut off (CANCELLED), that ran out of its deadline
 while the coordinator was away (DEADLINE_EXCEEDED), or that exhausted the retry policy (UNAVAILABLE), until
-`max_wait_s`. A restarted coordinator never kills a client.
+`max_wait_s`. A restarted coordinator never kills a client. Once the process stops
+(`stop_waiting_on_coordinator`), nothing is sent again, and the blocking clients' calls still in flight
+`STOP_GRACE_S` later are cancelled: a stop never waits on a coordinator that is away (or on the Redis behind it).
 
 TLS: `tls_ca` is the PEM of the CA that signed the coordinator's certificate (or the self-signed
 certificate itself); `tls_server_name` overrides the name checked against the certificate when the address
@@ -24,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,7 @@ __all__ = [
     "channel_options",
     "read_pem",
     "service_config",
+    "stop_waiting_on_coordinator",
 ]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -120,6 +125,27 @@ def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
     return err.code() if hasattr(err, "code") else None
 
 
+STOP_GRACE_S = 3.0
+"""Once the process stops, how long a call in flight may still take before it is cancelled."""
+_stopping = threading.Event()
+_live_blocking_clients: weakref.WeakSet[CoordinatorClient] = weakref.WeakSet()
+_stop_watch_started = threading.Lock()
+
+
+def stop_waiting_on_coordinator() -> None:
+    """This process is stopping (a stop signal; rlcommon/entrypoint.py calls this): a call that fails is not sent
+    again, and `STOP_GRACE_S` from now the blocking clients' channels are closed, which cancels the calls still
+    in flight. Safe in a signal handler (it only sets an event)."""
+    _stopping.set()
+
+
+def _cancel_calls_after_grace() -> None:
+    _stopping.wait()
+    time.sleep(STOP_GRACE_S)
+    for client in list(_live_blocking_clients):
+        client.channel.close()
+
+
 class _Client:
     """What both clients share: settings, the retry decision and its log line."""
 
@@ -154,7 +180,7 @@ class _Client:
 
     def _should_retry(self, err: grpc.RpcError, *, method: str, retry: bool, deadline: float, attempt: int) -> bool:
         code = _code(err)
-        if not retry or code not in APP_RETRYABLE or time.monotonic() > deadline:
+        if not retry or code not in APP_RETRYABLE or time.monotonic() > deadline or _stopping.is_set():
             return False
         if attempt == 0 or attempt % 10 == 0:
             logger.warning("%s: coordinator at %s unavailable (%s); retrying", method, self.address, code)
@@ -172,6 +198,9 @@ class CoordinatorClient(_Client):
             self.channel = grpc.secure_channel(address, self._credentials, options=self._options)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        _live_blocking_clients.add(self)
+        if _stop_watch_started.acquire(blocking=False):
+            threading.Thread(target=_cancel_calls_after_grace, name="coordinator-stop-watch", daemon=True).start()
 
     def call(self, method: str, request: Any, *, timeout_s: float | None = None, retry: bool = True) -> Any:
         """`method`(request) with the token; sent again while the coordinator is away (unless not `retry`)."""
