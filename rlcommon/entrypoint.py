@@ -9,8 +9,9 @@ Logging: one line format to stderr, level `DLC_LOG_LEVEL` (rlcommon/logs.py).
 Exit codes: 0 after a stop signal or a finished run; 2 for a bad configuration (the message names the
 field and the fix; `ConfigError`, also when `serve` raises it); 1 for any other failure: one line
 (`<name>: error: ...`) for the errors a user can cause (`user_errors`), a logged traceback for the rest.
-Stopping: in a service (`run_service`), a stop signal also tells the bus not to wait on Redis
-(`rlcommon.bus.stop_waiting_on_redis`), and Redis unreachable on the way out is a stop, not a failure (exit 0).
+Stopping: in a service (`run_service`), a stop signal also tells the bus and the coordinator client not to wait
+on Redis or the coordinator (`rlcommon.bus.stop_waiting_on_redis`, `rlcommon.rpc.stop_waiting_on_coordinator`),
+and either one unreachable on the way out is a stop, not a failure (exit 0).
 A service started by the local launcher (`DLC_STOP_WITH_PARENT=<its pid>`) stops when the launcher dies: the
 launcher has the kernel send it SIGTERM then (PR_SET_PDEATHSIG), and `watch_parent` sends it too and, if the
 service is still there `ORPHAN_GRACE_S` later, kills its process group (a vLLM engine included).
@@ -28,9 +29,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
+
 from rlcommon.bus import BusUnavailableError, stop_waiting_on_redis
 from rlcommon.config import ConfigError, RunConfig, load_config
 from rlcommon.logs import setup_logging
+from rlcommon.rpc import stop_waiting_on_coordinator
 
 __all__ = [
     "EXIT_BAD_CONFIG",
@@ -85,6 +89,7 @@ def _stopping() -> None:
     if _in_service.is_set():
         _stop_signalled.set()
         stop_waiting_on_redis()
+        stop_waiting_on_coordinator()
 
 
 def on_stop_signals(callback: Callable[[int], None]) -> None:
@@ -170,10 +175,11 @@ def run_service(
     try:
         try:
             return serve(cfg)
-        except BusUnavailableError as err:  # on the way out after a stop signal: a stop, not a failure
+        except (BusUnavailableError, grpc.RpcError) as err:  # on the way out after a stop signal: a stop
             if not _stop_signalled.is_set():
                 raise
-            logging.getLogger(name).warning("stopped with redis unreachable: %s", err)
+            what = "redis" if isinstance(err, BusUnavailableError) else "the coordinator"
+            logging.getLogger(name).warning("stopped with %s unreachable: %s", what, err)
             return EXIT_OK
     except ConfigError as err:
         print(f"{name}: error: {err}", file=sys.stderr)

@@ -130,36 +130,49 @@ def test_a_killed_launcher_takes_its_children_and_its_run_folder_lock_with_it(tm
     RunDirLock(tmp_path).acquire().release()  # the kernel dropped the dead launcher's lock
 
 
-def test_a_stopping_service_does_not_wait_on_a_paused_or_dead_redis(tmp_path):
-    """A service's main loop blocked in a Redis read (the trainer's), or reconnecting to a dead Redis, exits 0
-    within a few seconds of SIGTERM (the socket timeout is 30 s, the reconnect budget 60 s)."""
-    service = """
-        import sys, threading
-        from rlcommon.bus import RedisConnection
-        from rlcommon.entrypoint import on_stop_signals, run_service
+STAND_IN_SERVICE = """
+    import sys, threading
+    from protos import coordinator_pb2 as pb
+    from rlcommon.bus import RedisConnection
+    from rlcommon.entrypoint import on_stop_signals, run_service
+    from rlcommon.rpc import CoordinatorClient
 
-        def serve(cfg):
-            stopping = threading.Event()
-            on_stop_signals(lambda signum: stopping.set())
-            conn = RedisConnection(sys.argv[1])
-            conn.call(lambda client: client.ping())
-            print("ready", flush=True)
-            while not stopping.is_set():
+    def serve(cfg):
+        stopping = threading.Event()
+        on_stop_signals(lambda signum: stopping.set())
+        conn = RedisConnection(sys.argv[1])
+        conn.call(lambda client: client.ping())
+        coordinator = CoordinatorClient(sys.argv[2])
+        print("ready", flush=True)
+        while not stopping.is_set():
+            if sys.argv[3] == "redis":
                 conn.call(lambda client: client.xread({"no-such-stream": "$"}, block=1000))
-            return 0
+            else:
+                coordinator.call("GetStatus", pb.GetStatusRequest())
+        return 0
 
-        sys.exit(run_service("stand-in", "stand-in", None, [], serve))
-    """
+    sys.exit(run_service("stand-in", "stand-in", None, [], serve))
+"""
+"""A service whose main loop waits on Redis (as the trainer's does) or on the coordinator (a call that waits
+for the channel to be ready, 30 s, then is sent again for 5 minutes)."""
+
+
+def test_a_stopping_service_does_not_wait_on_redis_or_the_coordinator(tmp_path):
+    """A service blocked in a Redis read on a paused redis-server (socket timeout 30 s), reconnecting to a dead
+    one (for 60 s), or calling a coordinator that is away exits 0 within a few seconds of SIGTERM."""
+    from launcher.processes import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"  # no coordinator there
     with EmbeddedRedis(tmp_path / "redis") as server:
-        for state in ("paused", "dead"):
-            proc = python(service, server.url, stderr=subprocess.PIPE)
+        for state in ("redis paused", "redis dead", "coordinator away"):
+            proc = python(STAND_IN_SERVICE, server.url, nobody, state.split()[0], stderr=subprocess.PIPE)
             try:
                 assert proc.stdout.readline().strip() == "ready"
-                if state == "paused":
+                if state == "redis paused":
                     os.kill(server.pid, signal.SIGSTOP)
-                else:
+                elif state == "redis dead":
                     server.kill()
-                time.sleep(2.0)  # let the read hang (paused) or the reconnect loop start (dead)
+                time.sleep(2.0)  # let the read hang (paused), the reconnect loop start (dead), the call wait
                 started = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
                 code = proc.wait(timeout=30)
@@ -169,11 +182,12 @@ def test_a_stopping_service_does_not_wait_on_a_paused_or_dead_redis(tmp_path):
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-                if state == "paused":
+                if state == "redis paused":
                     os.kill(server.pid, signal.SIGCONT)
             assert code == 0, err
-            assert "stopped with redis unreachable" in err and "Traceback" not in err, err
-            print(f"{state} redis: stopped {stop_s:.1f} s after SIGTERM")
+            unreachable = "redis" if state.startswith("redis") else "the coordinator"
+            assert f"stopped with {unreachable} unreachable" in err and "Traceback" not in err, err
+            print(f"{state}: stopped {stop_s:.1f} s after SIGTERM")
             server.start()
 
 
