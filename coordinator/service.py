@@ -525,8 +525,12 @@ class Coordinator:
             self.samplers.mark_unhealthy(sampler_id, f"failed to load version {weight_version}: {error}")
             self.syncs.leave_out(sampler_id)
         else:
+            # Healthy again once it loads the published version, or any version newer than it had: a sampler
+            # whose loads take longer than a step (sync_policy always) acks each version after the next is out.
+            previous = self.samplers.get(sampler_id).weight_version
             self.samplers.set_version(
-                sampler_id, weight_version, healthy=weight_version == self.published_version
+                sampler_id, weight_version,
+                healthy=weight_version == self.published_version or weight_version > previous
             )
             self.syncs.ack(sampler_id, weight_version)
             logger.info("sampler %s loaded version %d in %.2f s", sampler_id, weight_version, load_s)
