@@ -166,6 +166,7 @@ def run(
     """
     from launcher.plots import plot_run
 
+    global _stopping
     started = time.monotonic()
     stack = LocalStack(cfg)
     progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar)
@@ -191,6 +192,7 @@ def run(
         if before_stop is not None:
             before_stop(stack)
     finally:
+        _stopping = True  # a signal from now on must not cut the stop short
         progress.close()
         stack.stop()
     snapshot["wall_seconds"] = round(time.monotonic() - started, 1)
@@ -206,17 +208,17 @@ def run(
     return summary
 
 
-_interrupted = False
+_stopping = False
 
 
 def _interrupt_once(signum, _frame):
-    """The first SIGINT or SIGTERM stops the run (KeyboardInterrupt); a second one must not cut the stop short
-    (it would leave services behind), so it is only logged."""
-    global _interrupted
-    if _interrupted:
+    """A SIGINT or SIGTERM stops the run (KeyboardInterrupt), once: one that comes while the stack is stopping
+    must not cut the stop short (it would leave services behind), so it is only logged."""
+    global _stopping
+    if _stopping:
         logger.warning("signal %d: already stopping every service", signum)
         return
-    _interrupted = True
+    _stopping = True
     raise KeyboardInterrupt(f"signal {signum}")
 
 
