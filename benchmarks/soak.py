@@ -7,7 +7,7 @@ for `--steps` steps, through `launcher.run.run` (what `make run` runs). Along th
 run: kill -9 of the sampler, the trainer, the coordinator and redis-server (each restarted by the launcher, as
 compose's `restart:` does), and a stall of redis-server (SIGSTOP for `--stall-s`, shorter than the services'
 reconnect budget). Every `--sample-s` it records, against the trainer's step: the size of the weights folder,
-each service's RSS (its process and children), Redis's `used_memory`, and the trainer's step time (median of the
+each service's RSS (its process and children; the launcher's is this process's), Redis's `used_memory`, and the trainer's step time (median of the
 rows since the last sample).
 
 Reported (`<out>/soak.json`, and stdout with `--json`): the samples, the faults, whether every batch was
@@ -142,6 +142,7 @@ class Soak:
         times = [r["time"] for r in rows[max(0, len(rows) - len(new) - 1):]]
         step_s = median(b - a for a, b in zip(times, times[1:], strict=False)) if len(times) >= 2 else None
         rss = {name: round(tree_rss_mb(proc.process.pid), 1) for name, proc in stack.processes.items()}
+        rss["launcher"] = round(psutil.Process().memory_info().rss / 2**20, 1)  # this process runs the launcher
         if stack.redis_server is not None and stack.redis_server.running:
             rss["redis"] = round(tree_rss_mb(stack.redis_server._proc.pid), 1)
         used = self._used_memory_mb(stack)

@@ -18,7 +18,7 @@ from launcher.lifecycle import RunDirInUseError
 from launcher.processes import REPO, ServiceDied, service_died
 from launcher.stack import LocalStack
 from rlcommon.config import ConfigError, RunConfig, load_config
-from rlcommon.metrics import read_jsonl
+from rlcommon.metrics import JsonlFollower
 from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
@@ -105,6 +105,7 @@ class Progress:
 
     def __init__(self, *, total: int, metrics_path: Path, bar: bool) -> None:
         self.metrics_path = metrics_path
+        self._follower = JsonlFollower(metrics_path)
         self.started_at = time.time()
         self.first_step_s: float | None = None
         """Seconds from the launcher's start to the first step trained after it (rows carry their wall time;
@@ -118,7 +119,7 @@ class Progress:
             self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="training")
 
     def update(self) -> list[dict[str, Any]]:
-        rows = read_jsonl(self.metrics_path)
+        rows = self._follower.rows()  # only what was appended since the last poll
         if self.first_step_s is None:
             times = [row["time"] for row in rows if row.get("time", 0.0) >= self.started_at]
             if times:

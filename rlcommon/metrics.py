@@ -118,3 +118,43 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+class JsonlFollower:
+    """The rows of a growing metrics.jsonl, reading only what was appended since the last `rows()` call.
+
+    A file replaced since (the trainer cuts it back to its checkpoint on resume: a new file under the same
+    name), or shorter than what was read, is read again from its start. A torn last line waits for its end.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._rows: list[dict[str, Any]] = []
+        self._identity: tuple[int, int] | None = None
+        self._offset = 0
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every complete row so far (the same list, extended in place unless the file was replaced)."""
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return self._rows
+        identity = (stat.st_dev, stat.st_ino)
+        if identity != self._identity or stat.st_size < self._offset:
+            self._identity, self._offset, self._rows = identity, 0, []
+        if stat.st_size == self._offset:
+            return self._rows
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # complete lines only
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                self._rows.append(row)
+        self._offset += end
+        return self._rows
+

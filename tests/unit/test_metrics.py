@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from rlcommon.metrics import MetricsSink, read_jsonl, start_metrics_server
+from rlcommon.metrics import JsonlFollower, MetricsSink, read_jsonl, start_metrics_server
 
 
 def test_sink_writes_jsonl_tensorboard_and_prometheus(tmp_path):
@@ -29,3 +29,22 @@ def test_read_jsonl_skips_a_torn_last_line(tmp_path):
     path.write_text('{"step": 0}\n{"step": 1}\n{"st')
     assert [r["step"] for r in read_jsonl(path)] == [0, 1]
     assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_the_follower_reads_what_was_appended_and_a_replaced_file_again(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    follower = JsonlFollower(path)
+    assert follower.rows() == []  # no file yet
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2')  # a torn last line waits for its end
+    assert [r["step"] for r in follower.rows()] == [0, 1]
+    with path.open("a") as f:
+        f.write('}\n{"step": 3}\n')
+    assert [r["step"] for r in follower.rows()] == [0, 1, 2, 3]
+    assert follower._offset == path.stat().st_size  # nothing read twice
+    tmp = tmp_path / "metrics.tmp"  # the trainer cuts the file back on resume: a new file under the name
+    tmp.write_text('{"step": 0}\n{"step": 1, "again": true}\n')
+    tmp.replace(path)
+    assert [(r["step"], r.get("again", False)) for r in follower.rows()] == [(0, False), (1, True)]
+    path.write_text('{"step": 0}\n')  # shorter in place: read from the start
+    assert [r["step"] for r in follower.rows()] == [0]
+
