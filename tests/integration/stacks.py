@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rlcommon.config import RunConfig, load_config
 from tests.integration.conftest import REPO_ROOT
@@ -24,3 +27,14 @@ def stack_config(run_dir: Path, *, steps: int, run_id: str, overrides: Sequence[
             *overrides,
         ],
     )
+
+
+def dlcctl_batches(stack: Any, limit: int = 1000) -> dict[str, Any]:
+    """The coordinator's ledger as `dlcctl --json batches` prints it (what an operator sees)."""
+    from coordinator.dlcctl import main as dlcctl_main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = dlcctl_main(["--address", stack.address, "--json", "batches", "--limit", str(limit)], out=out, err=err)
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())
+

@@ -14,8 +14,6 @@ The first tests use small stand-in processes (no vLLM); the last two run the who
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import signal
 import subprocess
@@ -34,7 +32,7 @@ from launcher.processes import RESTART_POLICY
 from launcher.run import run
 from rlcommon.embedded_redis import EmbeddedRedis
 from rlcommon.metrics import read_jsonl
-from tests.integration.stacks import stack_config
+from tests.integration.stacks import dlcctl_batches, stack_config
 from tests.integration.test_restarts import SMALL_RUN, START_TIMEOUT_S, check_trained_once_in_order, live
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,12 +217,7 @@ def test_make_run_restarts_a_killed_redis_server(tmp_path, capsys):
             os.kill(stack.redis_server.pid, signal.SIGKILL)
 
     def before_stop(stack):
-        from coordinator.dlcctl import main as dlcctl_main
-
-        out, err = io.StringIO(), io.StringIO()
-        code = dlcctl_main(["--address", stack.address, "--json", "batches", "--limit", "1000"], out=out, err=err)
-        assert code == 0, err.getvalue()
-        ledger.update(json.loads(out.getvalue()))
+        ledger.update(dlcctl_batches(stack))
 
     started = time.monotonic()
     summary = run(cfg, progress_bar=False, on_progress=on_progress, before_stop=before_stop)

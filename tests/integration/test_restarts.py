@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 
 from launcher.run import run
 from rlcommon.metrics import read_jsonl
-from tests.integration.stacks import stack_config
+from tests.integration.stacks import dlcctl_batches, stack_config
 
 REPO = Path(__file__).resolve().parents[2]
 B, G = 4, 2
@@ -78,12 +77,7 @@ def test_launcher_restarts_a_killed_sampler_and_trainer(tmp_path, capsys):
             stack.send_signal("trainer", signal.SIGKILL)
 
     def before_stop(stack):
-        from coordinator.dlcctl import main as dlcctl_main
-
-        out, err = io.StringIO(), io.StringIO()
-        code = dlcctl_main(["--address", stack.address, "--json", "batches", "--limit", "1000"], out=out, err=err)
-        assert code == 0, err.getvalue()
-        ledger.update(json.loads(out.getvalue()))
+        ledger.update(dlcctl_batches(stack))
 
     started = time.monotonic()
     summary = run(cfg, progress_bar=False, on_progress=on_progress, before_stop=before_stop)
