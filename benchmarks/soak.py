@@ -137,9 +137,9 @@ class Soak:
             return None
 
     def sample(self, stack: Any, rows: list[dict[str, Any]]) -> None:
-        new = rows[self._rows_seen:]
+        since = max(self._rows_seen - 1, 0, len(rows) - 500)  # the run hands the last 1000 rows (RowWindow)
         self._rows_seen = len(rows)
-        times = [r["time"] for r in rows[max(0, len(rows) - len(new) - 1):]]
+        times = [r["time"] for r in rows[since:]]
         step_s = median(b - a for a, b in zip(times, times[1:], strict=False)) if len(times) >= 2 else None
         rss = {name: round(tree_rss_mb(proc.process.pid), 1) for name, proc in stack.processes.items()}
         rss["launcher"] = round(psutil.Process().memory_info().rss / 2**20, 1)  # this process runs the launcher

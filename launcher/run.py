@@ -18,7 +18,7 @@ from launcher.lifecycle import RunDirInUseError
 from launcher.processes import REPO, ServiceDied, service_died
 from launcher.stack import LocalStack
 from rlcommon.config import ConfigError, RunConfig, load_config
-from rlcommon.metrics import JsonlFollower
+from rlcommon.metrics import JsonlFollower, read_jsonl
 from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
@@ -125,7 +125,7 @@ class Progress:
             if times:
                 self.first_step_s = times[0] - self.started_at
                 self.write(f"first step trained {self.first_step_s:.1f} s after the start")
-        for row in rows[self.seen:]:
+        for row in rows[max(self.seen, rows.first_kept):]:
             self.syncs += 1 if row.get("publish") else 0
             fields = {
                 "reward": f"{row.get('reward_mean', float('nan')):.3f}",
@@ -162,7 +162,8 @@ def run(
 ) -> dict[str, Any]:
     """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content.
 
-    `on_progress(stack, rows)` runs at every poll with the metrics rows so far; `before_stop(stack)` runs
+    `on_progress(stack, rows)` runs at every poll with the metrics rows so far (`rlcommon.metrics.RowWindow`: `len`
+    counts them all, the last 1000 can be read); `before_stop(stack)` runs
     once the trainer is done, while the other services are still up (tests query them there).
     """
     from launcher.plots import plot_run
@@ -187,7 +188,8 @@ def run(
                 raise service_died(stack.processes[stopped[0]], 0, f" with {len(rows)} of {cfg.steps} steps "
                                    "trained; a clean exit is not restarted (compose's `restart: on-failure`)")
             time.sleep(0.5)
-        rows = progress.update()
+        progress.update()
+        rows = read_jsonl(stack.run_dir / "metrics.jsonl")  # every row, once, for the summary and plots
         snapshot = coordinator_snapshot(stack.client)
         snapshot["dead_letters"] = dead_letter_count(stack.redis_url, cfg.bus.run_id)
         if before_stop is not None:

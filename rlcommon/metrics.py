@@ -10,6 +10,8 @@ import json
 import logging
 import math
 import threading
+from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,28 +122,64 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+class RowWindow(Sequence[dict[str, Any]]):
+    """The rows of a metrics.jsonl as a sequence whose length counts every row, but which holds only the
+    last ones (`JsonlFollower(keep=...)`): indexing or slicing an older row raises IndexError."""
+
+    def __init__(self, keep: int) -> None:
+        self._rows: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._total = 0
+
+    def append(self, row: dict[str, Any]) -> None:
+        self._rows.append(row)
+        self._total += 1
+
+    @property
+    def first_kept(self) -> int:
+        return self._total - len(self._rows)
+
+    def __len__(self) -> int:
+        return self._total
+
+    def __iter__(self):  # the kept rows
+        return iter(self._rows)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._total)
+            return [self[i] for i in range(start, stop, step)]
+        if index < 0:
+            index += self._total
+        if not self.first_kept <= index < self._total:
+            raise IndexError(f"row {index} is not kept (rows {self.first_kept}..{self._total - 1} are)")
+        return self._rows[index - self.first_kept]
+
+
 class JsonlFollower:
-    """The rows of a growing metrics.jsonl, reading only what was appended since the last `rows()` call.
+    """The rows of a growing metrics.jsonl, reading only what was appended since the last `rows()` call, and
+    holding only the last `keep` of them (a day-long run's rows stay on disk, not in memory).
 
     A file replaced since (the trainer cuts it back to its checkpoint on resume: a new file under the same
     name), or shorter than what was read, is read again from its start. A torn last line waits for its end.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, keep: int = 1000) -> None:
         self.path = Path(path)
-        self._rows: list[dict[str, Any]] = []
+        self.keep = keep
+        self._rows = RowWindow(keep)
         self._identity: tuple[int, int] | None = None
         self._offset = 0
 
-    def rows(self) -> list[dict[str, Any]]:
-        """Every complete row so far (the same list, extended in place unless the file was replaced)."""
+    def rows(self) -> RowWindow:
+        """Every complete row so far (`len` counts them all; the last `keep` can be read). The same window,
+        extended in place, unless the file was replaced."""
         try:
             stat = self.path.stat()
         except FileNotFoundError:
             return self._rows
         identity = (stat.st_dev, stat.st_ino)
         if identity != self._identity or stat.st_size < self._offset:
-            self._identity, self._offset, self._rows = identity, 0, []
+            self._identity, self._offset, self._rows = identity, 0, RowWindow(self.keep)
         if stat.st_size == self._offset:
             return self._rows
         with self.path.open("rb") as f:
@@ -157,4 +195,3 @@ class JsonlFollower:
                 self._rows.append(row)
         self._offset += end
         return self._rows
-

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
+
 from rlcommon.metrics import JsonlFollower, MetricsSink, read_jsonl, start_metrics_server
 
 
@@ -34,7 +36,7 @@ def test_read_jsonl_skips_a_torn_last_line(tmp_path):
 def test_the_follower_reads_what_was_appended_and_a_replaced_file_again(tmp_path):
     path = tmp_path / "metrics.jsonl"
     follower = JsonlFollower(path)
-    assert follower.rows() == []  # no file yet
+    assert len(follower.rows()) == 0  # no file yet
     path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2')  # a torn last line waits for its end
     assert [r["step"] for r in follower.rows()] == [0, 1]
     with path.open("a") as f:
@@ -47,4 +49,15 @@ def test_the_follower_reads_what_was_appended_and_a_replaced_file_again(tmp_path
     assert [(r["step"], r.get("again", False)) for r in follower.rows()] == [(0, False), (1, True)]
     path.write_text('{"step": 0}\n')  # shorter in place: read from the start
     assert [r["step"] for r in follower.rows()] == [0]
+
+
+def test_the_follower_holds_only_the_last_rows_but_counts_them_all(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {k}}}\n' for k in range(25)))
+    rows = JsonlFollower(path, keep=10).rows()
+    assert len(rows) == 25 and rows.first_kept == 15
+    assert [r["step"] for r in rows] == list(range(15, 25))  # iteration: the kept rows
+    assert [r["step"] for r in rows[20:]] == [20, 21, 22, 23, 24] and rows[-1]["step"] == 24
+    with pytest.raises(IndexError, match="row 3 is not kept"):
+        rows[3]
 
