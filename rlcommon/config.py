@@ -80,7 +80,7 @@ class BusConfig(StrictModel):
     max_stream_len: int | None = Field(None, ge=100)
     """Acknowledged entries past this many are trimmed (unacknowledged ones never are); they stay only for the
     dashboard's rollout browser, so Redis holds about this many rollouts at most beyond the queue. None (in a
-    RunConfig): bus.max_queue_depth."""
+    RunConfig): bus.max_queue_depth (at least 100)."""
     max_queue_depth: int | None = Field(None, ge=1)
     """Backpressure: producers wait while the rollout stream holds more undelivered+pending entries. None
     (in a RunConfig): twice what the trainer may hold unacked, at least 4096 (see `RunConfig`)."""
@@ -459,7 +459,7 @@ class RunConfig(StrictModel):
         if self.bus.max_queue_depth is None:
             self.bus.max_queue_depth = max(4096, 2 * held)
         if self.bus.max_stream_len is None:
-            self.bus.max_stream_len = self.bus.max_queue_depth
+            self.bus.max_stream_len = max(100, self.bus.max_queue_depth)
         if self.bus.max_queue_depth < held:
             raise ValueError(
                 f"bus.max_queue_depth = {self.bus.max_queue_depth} is below the {held} rollouts the trainer may "
