@@ -2,7 +2,8 @@
 per run folder.
 
 - `spawn` starts a child that the kernel sends a signal when the launcher dies, whatever kills it (Linux
-  `PR_SET_PDEATHSIG`, set between fork and exec, so it covers redis-server as well as the Python services).
+  `PR_SET_PDEATHSIG`, set by `setpriv --pdeathsig` before it execs the command, else between fork and exec, so
+  it covers redis-server as well as the Python services).
   The signal follows the *thread* that forked, so every child is forked by one thread that lives as long as
   the launcher. The Python services also watch their parent themselves (`rlcommon.entrypoint.watch_parent`).
 - `RunDirLock`: an exclusive `flock` on `<run_dir>/launcher.lock`, held while the launcher runs. The kernel
@@ -16,6 +17,7 @@ import ctypes
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,8 +33,18 @@ _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher-spawn"
 """The one thread that forks every child (a child's PDEATHSIG fires when the thread that forked it ends)."""
 
 
+_SETPRIV = shutil.which("setpriv")
+"""util-linux's setpriv: sets PDEATHSIG and execs the command, so Popen needs no preexec_fn. A preexec_fn makes
+Python fork and run code in the child, including the at-fork handlers of gRPC (which the launcher has loaded):
+seen to break the child (epoll errors) and fail a redis-server start now and then."""
+
+
 def spawn(argv: list[str], *, death_signal: int = signal.SIGTERM, **popen_kwargs: Any) -> subprocess.Popen:
     """`subprocess.Popen(argv, **popen_kwargs)` for a child that gets `death_signal` when this process dies."""
+    if _SETPRIV is not None and sys.platform == "linux":
+        name = signal.Signals(death_signal).name.removeprefix("SIG")
+        wrapped = [_SETPRIV, "--pdeathsig", name, "--", *argv]
+        return _spawner.submit(subprocess.Popen, wrapped, **popen_kwargs).result()
     parent = os.getpid()
 
     def die_with_parent() -> None:  # in the child, between fork and exec: no allocation-heavy work here
