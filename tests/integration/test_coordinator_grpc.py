@@ -48,9 +48,10 @@ def make_config(**coordinator: object) -> RunConfig:
 class Harness:
     """A CoordinatorServer on its own event-loop thread, plus a blocking channel and stub to it."""
 
-    def __init__(self, cfg: RunConfig, redis_url: str, *, port: int = 0, interceptors=()) -> None:
+    def __init__(self, cfg: RunConfig, redis_url: str, *, port: int = 0, interceptors=(), reconnect_max_s: float = 2.0,
+                 socket_timeout_s: float | None = 30.0) -> None:
         self.cfg = cfg
-        self.conn = RedisConnection(redis_url, reconnect_max_s=2.0)
+        self.conn = RedisConnection(redis_url, reconnect_max_s=reconnect_max_s, socket_timeout_s=socket_timeout_s)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -67,6 +68,10 @@ class Harness:
 
     def _await(self, coro, timeout: float = 20.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def on_coordinator(self, fn):
+        """`fn()` on the coordinator's own thread (between its RPCs and ticks)."""
+        return self._await(self.server.run(fn))
 
     def stop(self) -> None:
         if self.stopped:

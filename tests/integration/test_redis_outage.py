@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import threading
@@ -22,14 +21,11 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from coordinator.server import CoordinatorServer
-from coordinator.service import Coordinator
 from protos import coordinator_pb2 as pb
-from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon.bus import RedisConnection
 from rlcommon.config import RunConfig, load_config
 from rlcommon.embedded_redis import EmbeddedRedis
-from rlcommon.tokenizer import CharTokenizer
+from tests.integration.test_coordinator_grpc import Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -46,34 +42,10 @@ def make_config(**coordinator: object) -> RunConfig:
     return load_config(RunConfig, [], {"bus": {"run_id": RUN_ID}, "coordinator": settings})
 
 
-class Served:
-    """A CoordinatorServer on its own event-loop thread over `redis_url`, with a short reconnect budget and
-    socket timeout (so that a stopped redis-server fails a call within about a second), and a stub to it."""
-
-    def __init__(self, cfg: RunConfig, redis_url: str) -> None:
-        self.conn = RedisConnection(redis_url, reconnect_max_s=1.0, socket_timeout_s=0.5)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.coordinator = Coordinator(cfg, conn=self.conn, encode=CharTokenizer().encode)
-        self.server = CoordinatorServer(cfg, self.coordinator, host="127.0.0.1", port=0)
-        self._await(self.server.start())
-        self.channel = grpc.insecure_channel(self.server.address)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
-
-    def _await(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def on_coordinator(self, fn):
-        return self._await(self.server.run(fn))
-
-    def stop(self) -> None:
-        self.channel.close()
-        self._await(self.server.stop(grace_s=0.5))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-        self.conn.close()
+def serve(cfg: RunConfig, redis_url: str) -> Harness:
+    """The coordinator served in-process (test_coordinator_grpc's Harness) with a short reconnect budget and socket
+    timeout, so that a stopped redis-server fails a call within about a second."""
+    return Harness(cfg, redis_url, reconnect_max_s=1.0, socket_timeout_s=0.5)
 
 
 @pytest.fixture
@@ -138,7 +110,7 @@ def ledger_of(stub) -> dict[int, tuple[int, int]]:
 
 
 def test_each_state_changing_rpc_rides_out_an_outage(redis):
-    served = Served(make_config(), redis.url)
+    served = serve(make_config(), redis.url)
     stub = served.stub
     try:
         through_outage(redis, stub.RegisterSampler, pb.RegisterSamplerRequest(sampler_id="s0", weight_version=0))
@@ -176,7 +148,7 @@ def test_each_state_changing_rpc_rides_out_an_outage(redis):
         assert served.on_coordinator(served.coordinator.store.verify)
     finally:
         served.stop()
-    again = Served(make_config(), redis.url)
+    again = serve(make_config(), redis.url)
     try:
         assert ledger_of(again.stub) == ledger
         status = again.stub.GetStatus(pb.GetStatusRequest())
@@ -207,7 +179,7 @@ def put_back(admin, dumps: dict[str, bytes | None]) -> None:
 
 def test_lost_writes_are_written_back_and_a_restart_on_them_goes_on(redis):
     admin = RedisConnection(redis.url).client
-    served = Served(make_config(), redis.url)
+    served = serve(make_config(), redis.url)
     stub = served.stub
     try:
         for step in range(2):
@@ -229,7 +201,7 @@ def test_lost_writes_are_written_back_and_a_restart_on_them_goes_on(redis):
     # Lost again, and now a coordinator starts on the older state (batches 2 and 3 untrained, version 2
     # published) while the trainer is at step 4 with version 4.
     put_back(admin, earlier)
-    again = Served(make_config(), redis.url)
+    again = serve(make_config(), redis.url)
     try:
         assert ledger_of(again.stub)[2][0] != pb.BATCH_TRAINED
         answer = report(again.stub, 4, weight_version=4)
