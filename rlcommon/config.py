@@ -357,7 +357,12 @@ class CoordinatorConfig(StrictModel):
     """How often the coordinator checks that Redis still holds its state (a restarted Redis that lost writes
     gets the whole state written back)."""
     auth_token: str | None = None
-    """Shared token required (metadata `authorization: Bearer <token>`) on state-changing calls."""
+    """The run's write token: with it set, every Coordinator call needs metadata `authorization: Bearer <token>`
+    (this token, or dashboard_token on the read-only calls). gRPC health and reflection stay open."""
+    dashboard_token: str | None = None
+    """A read-only token: the dashboard's page and API and the coordinator's read calls (GetStatus, GetBatchPlan,
+    ...) accept it; it can change nothing. The page only ever holds this one. With auth_token set and this unset,
+    the launcher makes one for the run."""
     tls_cert: str | None = None
     """PEM certificate for TLS (with tls_key)."""
     tls_key: str | None = None
