@@ -9,7 +9,8 @@
 
 Tables for people; `--json` prints the reply as JSON for scripts (field names as in
 protos/coordinator.proto, enums by name, int64 as numbers). `--address` (env DLC_ADDRESS, default
-127.0.0.1:50051), `--token` (env DLC_TOKEN; needed by `sync` when the coordinator has a token),
+127.0.0.1:50051), `--token` (better the env DLC_TOKEN, which stays off the process list: with a token set on the
+coordinator every command needs one; the read-only DLC_DASHBOARD_TOKEN serves all but `sync`),
 `--tls-ca` (env DLC_TLS_CA: CA or server certificate PEM; enables TLS), `--tls-server-name` (env
 DLC_TLS_SERVER_NAME: the name to check in the certificate when the address is not in it). Inside a compose service, the
 service's DLC_COORDINATOR__ADDRESS / DLC_COORDINATOR__AUTH_TOKEN serve when those are unset.
@@ -410,7 +411,9 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
     )
     tls_ca = getattr(args, "tls_ca", None) or os.environ.get("DLC_TLS_CA") or None
     tls_server_name = getattr(args, "tls_server_name", None) or os.environ.get("DLC_TLS_SERVER_NAME") or None
-    token = getattr(args, "token", None) or _env("DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN")
+    token = getattr(args, "token", None) or _env(
+        "DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN", "DLC_DASHBOARD_TOKEN", "DLC_COORDINATOR__DASHBOARD_TOKEN"
+    )
     try:
         client = CoordinatorClient(
             address, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name, wait_for_ready=False
@@ -429,7 +432,9 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
             elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 detail = f"cannot reach the coordinator at {address} (no answer within {getattr(args, 'timeout', 10.0):g} s)"
             elif code == grpc.StatusCode.UNAUTHENTICATED:
-                detail += "; pass --token or set DLC_TOKEN"
+                detail += "; pass --token or set DLC_TOKEN (the read-only DLC_DASHBOARD_TOKEN serves the read commands)"
+            elif code == grpc.StatusCode.PERMISSION_DENIED:
+                detail += "; this command needs the run's write token (DLC_TOKEN), not the read-only one"
             err.write(f"dlcctl: error: {code.name}: {detail}\n")
             return 1
     return 0

@@ -1,9 +1,16 @@
 """The coordinator's gRPC server (grpc.aio): thin servicers over `service.Coordinator`.
 
 Each RPC validates nothing itself: it calls one method of the plain `Coordinator` on a single worker
-thread (so Redis round-trips never block the event loop, and the coordinator needs no locks), converts the
-result to protobuf, and maps `CoordinatorError` to a status code: InvalidArgument -> INVALID_ARGUMENT,
-NotFound -> NOT_FOUND, FailedPrecondition -> FAILED_PRECONDITION, Redis unreachable -> UNAVAILABLE.
+thread (coordinator/worker.py: Redis round-trips never block the event loop, the coordinator needs no locks,
+and state-changing calls and the tick go before every queued read), converts the result to protobuf, and maps
+`CoordinatorError` to a status code: InvalidArgument -> INVALID_ARGUMENT, NotFound -> NOT_FOUND,
+FailedPrecondition -> FAILED_PRECONDITION, Redis unreachable -> UNAVAILABLE.
+
+Reads are bounded: at most `coordinator.max_reads_in_flight` read calls at once (more: RESOURCE_EXHAUSTED, which
+clients retry with backoff), and equal reads share one answer for `coordinator.read_cache_s`
+(coordinator/read_cache.py; any accepted state change makes the next read fresh). With `coordinator.auth_token`
+set, every Coordinator method needs a token (coordinator/auth.py): the read methods accept the read-only
+`coordinator.dashboard_token` as well.
 The server also runs the standard health service (`grpc.health.v1.Health`, SERVING once the state is
 loaded) and server reflection, so stock tools (grpcurl, grpc_health_probe) work.
 
@@ -14,12 +21,10 @@ serve until a signal, see `__main__`), `await stop()`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
-import queue
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import grpc
@@ -28,15 +33,18 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator import auth, convert
 from coordinator.dashboard import DashboardServer
+from coordinator.read_cache import ReadCache
 from coordinator.service import Coordinator, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound
 from coordinator.syncs import WeightBroadcaster
+from coordinator.worker import READ, CoordinatorThread
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon.config import RunConfig
+from rlcommon.rpc import READS_BUSY
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SERVICE_NAME", "STATE_CHANGING_METHODS", "CoordinatorServicer", "CoordinatorServer"]
+__all__ = ["READ_METHODS", "SERVICE_NAME", "STATE_CHANGING_METHODS", "CoordinatorServicer", "CoordinatorServer"]
 
 T = TypeVar("T")
 
@@ -55,7 +63,12 @@ STATE_CHANGING_METHODS = frozenset(
         "TriggerSync",
     )
 )
-"""Methods that need the token when one is configured; the others only read."""
+"""Methods that need the write token (coordinator.auth_token) when one is configured."""
+READ_METHODS = frozenset(
+    f"/{SERVICE_NAME}/{name}"
+    for name in ("GetStatus", "ListSamplers", "ListSyncs", "GetBatchPlan", "ListBatches")
+)
+"""Methods that only read: with a token configured they take the write token or the read-only dashboard_token."""
 
 _CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -74,30 +87,66 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         run: Callable[..., Any],
         broadcaster: WeightBroadcaster,
         submit: Callable[..., Any],
+        max_reads_in_flight: int = 16,
+        read_cache_s: float = 1.0,
     ) -> None:
         self._core = coordinator
         self._run = run
         self._submit = submit
         self._broadcaster = broadcaster
+        self.max_reads_in_flight = max_reads_in_flight
+        self.reads_in_flight = 0
+        self.reads_refused = 0
+        self.reads_served = 0
+        self.cache = ReadCache(read_cache_s)
 
     async def _call(
         self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any, **kwargs: Any
     ) -> T:
-        """Run `fn` on the coordinator's thread, turning its errors into gRPC status codes."""
+        """Run `fn` on the coordinator's thread (urgent lane), turning its errors into gRPC status codes; the
+        cached read answers are stale afterwards."""
         try:
             return await self._run(fn, *args, **kwargs)
-        except CoordinatorError as err:
-            await context.abort(_CODES.get(type(err), grpc.StatusCode.INVALID_ARGUMENT), str(err))
-        except Exception as err:
-            from rlcommon.bus import BusUnavailableError
+        except BaseException as err:
+            await self._abort(context, fn, err)
+        finally:
+            self.cache.changed()
+        raise AssertionError("unreachable: _abort raises")
 
-            if isinstance(err, BusUnavailableError):
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, f"coordinator state store unavailable: {err}"
-                )
-            logger.exception("%s failed", getattr(fn, "__name__", fn))
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
-        raise AssertionError("unreachable: context.abort raises")
+    async def _read(self, context: grpc.aio.ServicerContext, request: Any, fn: Callable[..., T], *args: Any) -> T:
+        """Run the read `fn(*args)` on the coordinator's thread (read lane), shared with equal reads in flight and
+        cached for read_cache_s; RESOURCE_EXHAUSTED beyond max_reads_in_flight."""
+        if self.reads_in_flight >= self.max_reads_in_flight:
+            self.reads_refused += 1
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.reads_in_flight} read calls in flight already ({READS_BUSY} = "
+                f"{self.max_reads_in_flight}); retry with backoff",
+            )
+        self.reads_in_flight += 1
+        self.reads_served += 1
+        try:
+            key = (getattr(fn, "__name__", repr(fn)), type(request).__name__, request.SerializeToString())
+            return await self.cache.get(key, lambda: self._run(fn, *args, lane=READ))
+        except BaseException as err:
+            await self._abort(context, fn, err)
+        finally:
+            self.reads_in_flight -= 1
+        raise AssertionError("unreachable: _abort raises")
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, fn: Callable[..., Any], err: BaseException) -> None:
+        """Abort the call with the status code `err` maps to (re-raises cancellation and the like)."""
+        from rlcommon.bus import BusUnavailableError
+
+        if not isinstance(err, Exception):
+            raise err
+        if isinstance(err, CoordinatorError):
+            await context.abort(_CODES.get(type(err), grpc.StatusCode.INVALID_ARGUMENT), str(err))
+        if isinstance(err, BusUnavailableError):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"coordinator state store unavailable: {err}")
+        logger.error("%s failed", getattr(fn, "__name__", fn), exc_info=err)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
 
     # ------------------------------------------------------------------------------------- samplers
 
@@ -216,18 +265,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     # --------------------------------------------------------------------------------------- anyone
 
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
-        return convert.status_pb(await self._call(context, self._core.status))
+        return convert.status_pb(await self._read(context, request, self._core.status))
 
     async def ListSamplers(self, request: pb.ListSamplersRequest, context) -> pb.ListSamplersResponse:
-        views = await self._call(context, self._core.sampler_views)
+        views = await self._read(context, request, self._core.sampler_views)
         return pb.ListSamplersResponse(samplers=[convert.sampler_pb(v) for v in views])
 
     async def ListSyncs(self, request: pb.ListSyncsRequest, context) -> pb.ListSyncsResponse:
-        records, total = await self._call(context, self._core.sync_history, request.limit)
+        records, total = await self._read(context, request, self._core.sync_history, request.limit)
         return pb.ListSyncsResponse(syncs=[convert.sync_pb(r) for r in records], total=total)
 
     async def GetBatchPlan(self, request: pb.GetBatchPlanRequest, context) -> pb.GetBatchPlanResponse:
-        record = await self._call(context, self._core.batch_plan, request.batch_id)
+        record = await self._read(context, request, self._core.batch_plan, request.batch_id)
         return pb.GetBatchPlanResponse(plan=convert.batch_plan_pb(record))
 
     async def ListBatches(self, request: pb.ListBatchesRequest, context) -> pb.ListBatchesResponse:
@@ -236,8 +285,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"status: unknown batch status {request.status}"
             )
-        records, counts = await self._call(
-            context, self._core.batches, status=status, start=request.start_batch_id, limit=request.limit
+        records, counts = await self._read(
+            context, request, functools.partial(self._core.batches, status=status, start=request.start_batch_id,
+                                                limit=request.limit)
         )
         return pb.ListBatchesResponse(
             batches=[convert.batch_summary_pb(r) for r in records], counts=convert.counts_pb(counts)
@@ -246,35 +296,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def TriggerSync(self, request: pb.TriggerSyncRequest, context) -> pb.TriggerSyncResponse:
         pending = await self._call(context, self._core.trigger_sync, request.reason)
         return pb.TriggerSyncResponse(pending_reasons=pending)
-
-
-class _CoordinatorThread:
-    """One daemon thread that runs every call into the `Coordinator`, in submission order. A daemon, so
-    that a call stuck on an unreachable Redis never keeps the process from exiting."""
-
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="coordinator", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        future: Future[T] = Future()
-        self._calls.put((future, fn, args, kwargs))
-        return future
-
-    def close(self) -> None:
-        """Finish the calls already submitted, then end the thread."""
-        self._calls.put(None)
-
-    def _loop(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args, kwargs = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as err:  # handed to the awaiting RPC
-                future.set_exception(err)
 
 
 def is_loopback(host: str) -> bool:
@@ -308,11 +329,13 @@ class CoordinatorServer:
         self._requested_port = cfg.coordinator.port if port is None else port
         self.port: int | None = None
         self._metrics = metrics
-        self._worker: _CoordinatorThread | None = None
+        self._worker: CoordinatorThread | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._broadcaster = WeightBroadcaster()
         self._ticker: asyncio.Task | None = None
+        self.servicer: CoordinatorServicer | None = None
+        """The gRPC methods, once started (tests read its read counters)."""
         self.dashboard: DashboardServer | None = None
         """The run dashboard, when coordinator.dashboard_port is set (its `port` once started)."""
 
@@ -348,7 +371,7 @@ class CoordinatorServer:
                 "trigger syncs: set coordinator.auth_token (DLC_COORDINATOR__AUTH_TOKEN; compose: DLC_TOKEN), "
                 "or coordinator.host = 127.0.0.1"
             )
-        self._worker = _CoordinatorThread()
+        self._worker = CoordinatorThread()
         await self.run(self.coordinator.start)
         try:
             await self._start_grpc(ccfg.auth_token, ccfg.tls_cert, ccfg.tls_key)
@@ -386,7 +409,7 @@ class CoordinatorServer:
         assert worker is not None
         data = DashboardData(
             core=self.coordinator,
-            on_coordinator=lambda fn: worker.submit(fn).result(timeout=30),
+            on_coordinator=lambda fn: worker.submit(fn, lane=READ).result(timeout=30),
             conn=RedisConnection.from_config(cfg.redis, url=self.coordinator.redis_url),
             tokenizer=tokenizer_for(cfg.model, cfg.task),
         )
@@ -399,13 +422,19 @@ class CoordinatorServer:
         return dashboard
 
     async def _start_grpc(self, token: str | None, tls_cert: str | None, tls_key: str | None) -> None:
-        interceptors = [auth.TokenAuthInterceptor(token, STATE_CHANGING_METHODS)] if token else []
+        ccfg = self.cfg.coordinator
+        interceptors = [
+            auth.TokenAuthInterceptor(token, STATE_CHANGING_METHODS | READ_METHODS,
+                                      read_token=ccfg.dashboard_token, read_methods=READ_METHODS)
+        ] if token else []
         interceptors += self._extra_interceptors
         # No SO_REUSEPORT: a second coordinator on a busy port must fail, not share the port's traffic.
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         servicer = CoordinatorServicer(
-            self.coordinator, run=self.run, broadcaster=self._broadcaster, submit=self._submit
+            self.coordinator, run=self.run, broadcaster=self._broadcaster, submit=self._submit,
+            max_reads_in_flight=ccfg.max_reads_in_flight, read_cache_s=ccfg.read_cache_s,
         )
+        self.servicer = servicer
         pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -440,7 +469,7 @@ class CoordinatorServer:
                 await self.run(self.coordinator.tick)
                 if self._metrics is not None and loop.time() >= next_metrics:
                     next_metrics = loop.time() + 2.0
-                    self._export_metrics(await self.run(self.coordinator.status))
+                    self._export_metrics(await self.run(self.coordinator.status, lane=READ))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -462,6 +491,10 @@ class CoordinatorServer:
         }
         if status.last_ess_lag is not None:
             gauges["last_ess_lag"] = status.last_ess_lag
+        if self.servicer is not None:  # the read calls' load: answered, computed (the rest shared), refused
+            gauges["read_calls"] = self.servicer.reads_served
+            gauges["read_calls_computed"] = self.servicer.cache.computed
+            gauges["read_calls_refused"] = self.servicer.reads_refused
         for name, value in gauges.items():
             self._metrics.gauge(name, float(value))
 

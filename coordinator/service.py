@@ -692,6 +692,13 @@ class Coordinator:
                 self.store.commit(StateWrite(batches=[adopted]))
                 self.ledger.put(adopted)
             return self._replayed_answer(step)
+        if record.status == "trained":
+            # Not a retry: running the policy again would consume manual triggers, add a second step row and
+            # could move trainer_version backwards.
+            raise FailedPrecondition(
+                "step", f"batch {batch_id} was trained at step {record.trained_step}; a report of it at step {step} "
+                "contradicts that (a trainer resumed with a different step numbering, or a second trainer?)"
+            )
         now = self.clock()
         proven = []
         if record.status != "trained" and batch_id > self.ledger.trained_through + 1:

@@ -356,6 +356,13 @@ class CoordinatorConfig(StrictModel):
     state_check_s: float = Field(2.0, gt=0)
     """How often the coordinator checks that Redis still holds its state (a restarted Redis that lost writes
     gets the whole state written back)."""
+    max_reads_in_flight: int = Field(16, ge=1)
+    """Read calls (GetStatus, ListSamplers, ListSyncs, GetBatchPlan, ListBatches) served at once; more are refused
+    with RESOURCE_EXHAUSTED (clients retry with backoff). State-changing calls are never limited, and run before
+    every queued read."""
+    read_cache_s: float = Field(1.0, ge=0)
+    """Equal read calls within this many seconds share one answer (any accepted state change makes the next
+    read fresh); 0 = only calls in flight together share."""
     auth_token: str | None = None
     """The run's write token: with it set, every Coordinator call needs metadata `authorization: Bearer <token>`
     (this token, or dashboard_token on the read-only calls). gRPC health and reflection stay open."""
@@ -384,6 +391,13 @@ class CoordinatorConfig(StrictModel):
             return self.address
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"{host}:{self.port}"
+
+    @model_validator(mode="after")
+    def _read_token_differs(self) -> CoordinatorConfig:
+        if self.dashboard_token and self.dashboard_token == self.auth_token:
+            raise ValueError("coordinator.dashboard_token must differ from coordinator.auth_token: it is the "
+                             "read-only token, and a page or read-only user holding it must not be able to write")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> CoordinatorConfig:

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "APP_RETRYABLE",
+    "READS_BUSY",
     "AsyncCoordinatorClient",
     "CoordinatorClient",
     "auth_metadata",
@@ -60,7 +61,11 @@ BEARER = "Bearer "
 APP_RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
-"""Codes `call` sends an idempotent call again on: the coordinator was away or went away mid-call."""
+"""Codes `call` sends an idempotent call again on: the coordinator was away or went away mid-call. Also retried:
+RESOURCE_EXHAUSTED from a coordinator with too many reads in flight (READS_BUSY in its details; not gRPC's own
+RESOURCE_EXHAUSTED for an oversized message, which a retry cannot fix)."""
+READS_BUSY = "coordinator.max_reads_in_flight"
+"""Named in the details of the coordinator's RESOURCE_EXHAUSTED for too many reads in flight."""
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -125,6 +130,10 @@ def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
     return err.code() if hasattr(err, "code") else None
 
 
+def _details(err: grpc.RpcError) -> str | None:
+    return err.details() if hasattr(err, "details") else None
+
+
 STOP_GRACE_S = 3.0
 """Once the process stops, how long a call in flight may still take before it is cancelled."""
 _stopping = threading.Event()
@@ -172,7 +181,7 @@ class _Client:
         """A client of the coordinator a `CoordinatorConfig` names (address unless given, token, TLS)."""
         return cls(
             address or coordinator.dial_address,
-            token=coordinator.auth_token,
+            token=coordinator.auth_token or getattr(coordinator, "dashboard_token", None),
             tls_ca=coordinator.tls_ca,
             tls_server_name=coordinator.tls_server_name,
             **kwargs,
@@ -180,7 +189,8 @@ class _Client:
 
     def _should_retry(self, err: grpc.RpcError, *, method: str, retry: bool, deadline: float, attempt: int) -> bool:
         code = _code(err)
-        if not retry or code not in APP_RETRYABLE or time.monotonic() > deadline or _stopping.is_set():
+        busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and READS_BUSY in (_details(err) or "")
+        if not retry or not (busy or code in APP_RETRYABLE) or time.monotonic() > deadline or _stopping.is_set():
             return False
         if attempt == 0 or attempt % 10 == 0:
             logger.warning("%s: coordinator at %s unavailable (%s); retrying", method, self.address, code)

@@ -34,7 +34,9 @@ def dlcctl_batches(stack: Any, limit: int = 1000) -> dict[str, Any]:
     from coordinator.dlcctl import main as dlcctl_main
 
     out, err = io.StringIO(), io.StringIO()
-    code = dlcctl_main(["--address", stack.address, "--json", "batches", "--limit", str(limit)], out=out, err=err)
+    token = stack.cfg.coordinator.auth_token
+    code = dlcctl_main(["--address", stack.address, *(["--token", token] if token else []), "--json", "batches",
+                        "--limit", str(limit)], out=out, err=err)
     assert code == 0, err.getvalue()
     return json.loads(out.getvalue())
 

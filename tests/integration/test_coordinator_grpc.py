@@ -447,6 +447,21 @@ def test_a_report_proves_the_batches_before_it_trained(server):
     assert batches[0].trained_step == 0
 
 
+def test_a_trained_batch_reported_at_another_step_is_refused(server):
+    """Not a retry (same step) but a contradiction: the policy must not run again (it would consume manual
+    triggers, add a second step row and could move trainer_version backwards)."""
+    stub = server.stub
+    report(stub, step=5, batch_id=0, version=3)
+    stub.TriggerSync(pb.TriggerSyncRequest(reason="keep me"))
+    err = rpc_error(report, stub, step=7, batch_id=0, version=1)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "batch 0 was trained at step 5" in err.details() and "at step 7" in err.details()
+    status = stub.GetStatus(pb.GetStatusRequest())
+    assert list(status.pending_manual_triggers) == ["keep me"]
+    assert status.trainer_version == 3 and status.last_step.step == 5
+    assert server.conn.call(lambda r: r.llen(server.coordinator.store.key("steps"))) == 1
+
+
 def test_the_ledger_keeps_which_samplers_produced_a_batch(server):
     credit = {"sampler-0": B * G - 1, "sampler-1": 1}
     server.stub.ReportStep(
@@ -658,7 +673,7 @@ def test_a_call_in_flight_survives_a_coordinator_restart(start_server, caplog, c
     answer = outcome["answer"]
     assert answer.publish and answer.next_weight_version == 1
     assert second.stub.ReportStep(pb.ReportStepRequest(step=1, batch_id=0), metadata=auth()) == answer
-    trained = second.stub.ListBatches(pb.ListBatchesRequest(status=pb.BATCH_TRAINED)).batches
+    trained = second.stub.ListBatches(pb.ListBatchesRequest(status=pb.BATCH_TRAINED), metadata=auth()).batches
     assert [(b.batch_id, b.trained_step) for b in trained] == [(0, 1)]
 
 
@@ -792,8 +807,11 @@ def test_unknown_sampler_is_not_found(server):
 # --------------------------------------------------------------------------------------- auth/TLS
 
 
-def test_state_changing_calls_need_the_token(start_server):
-    harness = start_server(sync_policy="never", auth_token=TOKEN)
+READ_TOKEN = "read-only-token"
+
+
+def test_every_call_needs_a_token_and_the_read_token_only_reads(start_server):
+    harness = start_server(sync_policy="never", auth_token=TOKEN, dashboard_token=READ_TOKEN)
     stub = harness.stub
     missing = rpc_error(stub.TriggerSync, pb.TriggerSyncRequest(reason="x"))
     assert missing.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization" in missing.details()
@@ -814,15 +832,40 @@ def test_state_changing_calls_need_the_token(start_server):
     sub = Subscription(stub, "s0", 0)
     sub.thread.join(5)
     assert sub.error is not None and sub.error.code() == grpc.StatusCode.UNAUTHENTICATED
-    # With the token everything works; reads need none.
+    # Reads need a token too (they show prompts, answers and the run's state): the write token or the read one.
+    reads = [
+        (stub.GetStatus, pb.GetStatusRequest()),
+        (stub.ListSamplers, pb.ListSamplersRequest()),
+        (stub.ListSyncs, pb.ListSyncsRequest()),
+        (stub.GetBatchPlan, pb.GetBatchPlanRequest(batch_id=0)),
+        (stub.ListBatches, pb.ListBatchesRequest()),
+    ]
+    for call, request in reads:
+        assert rpc_error(call, request).code() == grpc.StatusCode.UNAUTHENTICATED, call
+        assert rpc_error(call, request, metadata=auth("nope")).code() == grpc.StatusCode.UNAUTHENTICATED, call
+        call(request, metadata=auth(READ_TOKEN))
+        call(request, metadata=auth())
+    # The read token changes nothing.
+    denied = rpc_error(stub.TriggerSync, pb.TriggerSyncRequest(reason="x"), metadata=auth(READ_TOKEN))
+    assert denied.code() == grpc.StatusCode.PERMISSION_DENIED and "read-only" in denied.details()
+    for call, request in [(stub.ReportStep, pb.ReportStepRequest(batch_id=0)),
+                          (stub.AnnouncePublished, pb.AnnouncePublishedRequest(weight_version=1, path="/w", sha256=SHA)),
+                          (stub.RegisterSampler, pb.RegisterSamplerRequest(sampler_id="s0"))]:
+        assert rpc_error(call, request, metadata=auth(READ_TOKEN)).code() == grpc.StatusCode.PERMISSION_DENIED
+    # With the write token everything works; health and reflection stay open.
     assert stub.TriggerSync(pb.TriggerSyncRequest(reason="ok"), metadata=auth()).pending_reasons == ["ok"]
     assert stub.RegisterSampler(
         pb.RegisterSamplerRequest(sampler_id="s0"), metadata=auth()
     ).sampler.sampler_id
-    assert stub.GetStatus(pb.GetStatusRequest()).pending_manual_triggers == ["ok"]
-    assert stub.ListSyncs(pb.ListSyncsRequest()).total == 0
+    assert stub.GetStatus(pb.GetStatusRequest(), metadata=auth(READ_TOKEN)).pending_manual_triggers == ["ok"]
+    assert stub.ListSyncs(pb.ListSyncsRequest(), metadata=auth()).total == 0
     health = health_pb2_grpc.HealthStub(harness.channel).Check(health_pb2.HealthCheckRequest())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_read_token_must_differ_from_the_write_token():
+    with pytest.raises(ValueError, match="dashboard_token must differ from coordinator.auth_token"):
+        make_config(auth_token=TOKEN, dashboard_token=TOKEN)
 
 
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
@@ -909,15 +952,19 @@ def run_dlcctl(*args: str) -> tuple[int, str, str]:
 
 
 def test_dlcctl_against_the_live_server(start_server, monkeypatch):
-    harness = start_server(sync_policy="ess", auth_token=TOKEN)
+    harness = start_server(sync_policy="ess", auth_token=TOKEN, dashboard_token=READ_TOKEN)
     stub = harness.stub
     stub.RegisterSampler(
         pb.RegisterSamplerRequest(sampler_id="sampler-0", hostname="node1", pid=42), metadata=auth()
     )
     stub.ReportStep(pb.ReportStepRequest(step=1, batch_id=0, stats={"ess_lag": 0.8}), metadata=auth())
     monkeypatch.setenv("DLC_ADDRESS", harness.address)
-    for name in ("DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN", "DLC_COORDINATOR__ADDRESS"):
+    for name in ("DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN", "DLC_COORDINATOR__ADDRESS", "DLC_DASHBOARD_TOKEN",
+                 "DLC_COORDINATOR__DASHBOARD_TOKEN"):
         monkeypatch.delenv(name, raising=False)
+    code, _, err = run_dlcctl("status")
+    assert code == 1 and "UNAUTHENTICATED" in err and "DLC_DASHBOARD_TOKEN" in err
+    monkeypatch.setenv("DLC_DASHBOARD_TOKEN", READ_TOKEN)  # a read-only operator
 
     code, out, _ = run_dlcctl("status")
     assert code == 0
@@ -941,7 +988,7 @@ def test_dlcctl_against_the_live_server(start_server, monkeypatch):
     assert json.loads(out)["plan"]["groups"][1]["task_id"] == "b1-g1"
 
     code, _, err = run_dlcctl("sync", "--reason", "look at it")
-    assert code == 1 and "UNAUTHENTICATED" in err and "--token" in err
+    assert code == 1 and "PERMISSION_DENIED" in err and "write token" in err
     monkeypatch.setenv("DLC_TOKEN", TOKEN)
     code, out, _ = run_dlcctl("sync", "--reason", "look at it")
     assert code == 0 and "manual: look at it" in out
