@@ -31,7 +31,7 @@ from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon import wire
 from rlcommon.bus import RedisConnection, stream_key
 from rlcommon.config import RunConfig, load_config
-from rlcommon.rpc import AsyncCoordinatorClient, CoordinatorClient
+from rlcommon.rpc import READS_BUSY, AsyncCoordinatorClient, CoordinatorClient
 from rlcommon.tokenizer import CharTokenizer
 
 B, G = 2, 2
@@ -861,6 +861,39 @@ def test_every_call_needs_a_token_and_the_read_token_only_reads(start_server):
     assert stub.ListSyncs(pb.ListSyncsRequest(), metadata=auth()).total == 0
     health = health_pb2_grpc.HealthStub(harness.channel).Check(health_pb2.HealthCheckRequest())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reads_in_flight_are_bounded_and_heartbeats_go_first(start_server):
+    """With the coordinator's thread busy, reads beyond max_reads_in_flight are refused at once
+    (RESOURCE_EXHAUSTED, naming the setting; clients retry those), and a heartbeat queued behind the reads is
+    answered before them."""
+    harness = start_server(sync_policy="never", max_reads_in_flight=4, read_cache_s=0)
+    stub = harness.stub
+    register(stub, "s0")
+    gate, order = threading.Event(), []
+    busy = harness.server._worker.submit(gate.wait, 30)
+    core = harness.coordinator
+    for name in ("status", "heartbeat"):
+        original = getattr(core, name)
+
+        def traced(*args, _name=name, _original=original, **kwargs):
+            order.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(core, name, traced)
+    reads = [stub.GetBatchPlan.future(pb.GetBatchPlanRequest(batch_id=0)) for _ in range(3)]
+    reads.append(stub.GetStatus.future(pb.GetStatusRequest()))
+    wait_until(lambda: harness.server.servicer.reads_in_flight == 4)
+    refused = rpc_error(stub.GetStatus, pb.GetStatusRequest())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and READS_BUSY in refused.details()
+    beat = stub.Heartbeat.future(pb.HeartbeatRequest(sampler_id="s0"))
+    wait_until(lambda: harness.server._worker._calls.qsize() == 3)  # 1 plan (3 calls share it), status, heartbeat
+    gate.set()
+    busy.result(10)
+    assert beat.result(10).health == pb.SAMPLER_HEALTHY
+    assert [r.result(10) is not None for r in reads] == [True] * 4
+    assert order == ["heartbeat", "status"]
+    assert harness.server.servicer.reads_refused == 1
 
 
 def test_the_read_token_must_differ_from_the_write_token():

@@ -157,6 +157,33 @@ def test_each_state_changing_rpc_rides_out_an_outage(redis):
         again.stop()
 
 
+def test_manual_triggers_survive_a_report_that_could_not_be_stored(redis):
+    """Manual triggers are cleared in memory only once the clear is stored: a ReportStep that fails on a stopped
+    Redis leaves them pending (in memory and in Redis: a restarted coordinator still has them), and its retry
+    consumes them."""
+    served = serve(make_config(sync_policy="never"), redis.url)
+    try:
+        stub = served.stub
+        stub.TriggerSync(pb.TriggerSyncRequest(reason="eval at 0"))
+        stub.MarkBatchComplete(pb.MarkBatchCompleteRequest(batch_id=0, num_rollouts=B * G))
+        request = pb.ReportStepRequest(step=0, batch_id=0, weight_version=0, stats={"ess_lag": 0.9})
+        with stopped(redis):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ReportStep(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert list(stub.GetStatus(pb.GetStatusRequest()).pending_manual_triggers) == ["eval at 0"]
+    finally:
+        served.stop()
+    again = serve(make_config(sync_policy="never"), redis.url)
+    try:
+        assert list(again.stub.GetStatus(pb.GetStatusRequest()).pending_manual_triggers) == ["eval at 0"]
+        answer = again.stub.ReportStep(request, timeout=30)
+        assert answer.publish and answer.reason == "manual: eval at 0"
+        assert not again.stub.GetStatus(pb.GetStatusRequest()).pending_manual_triggers
+    finally:
+        again.stop()
+
+
 def report(stub, step: int, weight_version: int) -> pb.ReportStepResponse:
     stub.MarkBatchComplete(pb.MarkBatchCompleteRequest(batch_id=step, num_rollouts=B * G))
     return stub.ReportStep(pb.ReportStepRequest(step=step, batch_id=step, weight_version=weight_version,
