@@ -94,6 +94,41 @@ def test_the_api_needs_the_token_and_names_bad_arguments(dashboard):
     assert status == 404 and "batch 99 is not planned" in body["error"]
 
 
+def test_the_api_takes_the_read_only_token_and_the_write_token(dashboard):
+    base, _, _ = dashboard
+    assert get(f"{base}/api/overview", token=READ_TOKEN)[0] == 200  # the page's token
+    assert get(f"{base}/api/batches", token=TOKEN)[0] == 200  # API clients (curl) with the write token
+    assert get(f"{base}/api/overview", token=READ_TOKEN + "x")[0] == 401
+    assert get(f"{base}/api/overview", token=READ_TOKEN[:-1])[0] == 401
+
+
+def test_the_page_takes_the_token_off_the_address_bar_and_still_gets_its_data(dashboard):
+    """Chromium opens /?token=<dashboard_token>: afterwards location.href holds no token, the page shows the
+    coordinator's plan (its API answered to the token), a reload still does (sessionStorage), and the console
+    holds no error (the Content-Security-Policy lets the page and its chart library run)."""
+    from tests.integration import browser
+
+    reason = browser.missing()
+    if reason is not None:
+        pytest.skip(reason)
+    from selenium.webdriver.common.by import By
+
+    base, _, _ = dashboard
+    driver = browser.start_browser()
+    try:
+        driver.get(f"{base}/?token={READ_TOKEN}#overview")
+        for _ in range(2):
+            browser.wait_for(lambda: driver.find_element(By.ID, "count-total").get_attribute("data-value") == "2",
+                             timeout_s=60, what="the plan's figures on the page")
+            href = driver.execute_script("return location.href")
+            assert href == f"{base}/#overview" and driver.current_url == href
+            assert READ_TOKEN not in driver.execute_script("return document.documentElement.outerHTML")
+            driver.refresh()
+        assert browser.console_errors(driver) == []
+    finally:
+        driver.quit()
+
+
 def test_overview_has_the_plan_the_steps_with_nan_as_null_and_dead_letters(dashboard):
     base, stub, conn = dashboard
     status, overview = get_json(f"{base}/api/overview")
