@@ -290,3 +290,28 @@ def test_one_batch_lookup_at_a_time_the_next_gets_429(redis_url):
         server.stop()
         core.stop()
         conn.close()
+
+
+def test_the_url_make_run_prints_opens_the_api_with_a_read_only_token(tmp_path):
+    """A local stack (redis-server and the coordinator; samplers and trainer held back) with auth_token set: the
+    printed URL carries a token that is not auth_token, and the coordinator's dashboard answers to it."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from launcher.stack import LocalStack
+    from tests.integration.stacks import stack_config
+
+    write = "launcher-write-token"
+    cfg = stack_config(tmp_path, steps=1, run_id="dash-url", overrides=[f"--coordinator.auth_token={write}"])
+    stack = LocalStack(cfg)
+    try:
+        stack.start(hold=("sampler-0", "trainer"))
+        url = urlsplit(stack.dashboard_url)
+        (token,) = parse_qs(url.query)["token"]
+        assert write not in stack.dashboard_url and token == stack.dashboard_token
+        base = f"{url.scheme}://{url.netloc}"
+        assert get(f"{base}/api/overview", token=token)[0] == 200
+        assert get(f"{base}/api/overview", token=write)[0] == 200  # curl with the write token
+        assert get(f"{base}/api/overview", token=None)[0] == 401
+        assert write not in (tmp_path / "logs" / "coordinator.log").read_text()
+    finally:
+        stack.stop()
