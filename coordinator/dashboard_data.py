@@ -37,6 +37,8 @@ BATCH_BYTE_BUDGET = 32 * 1024 * 1024
 """Bytes of Redis entries (the trainer's records and rollouts) one batch lookup reads and decodes at most."""
 FETCH_CHUNK = 32
 """Rollout ids asked for per pipelined round trip."""
+MAX_RECORDS_READ = 1000
+"""The trainer's records read while looking for one batch's, at most (it keeps trainer.dashboard_token_batches)."""
 
 
 def finite(value: Any) -> Any:
@@ -208,7 +210,7 @@ class DashboardData:
         (the stream holds `trainer.dashboard_token_batches` at most), or None."""
         key = stream_key(self.run_id, "tokens")
         cursor = "+"
-        while True:
+        for _ in range(MAX_RECORDS_READ):
             page = self.conn.call(lambda r, hi=cursor: r.xrevrange(key, max=hi, count=1))
             if not page:
                 return None
@@ -220,6 +222,7 @@ class DashboardData:
             if decoded is not None:
                 return decoded
             cursor = f"({_text(entry_id)}"
+        return None
 
     def _rollouts(self, batch_id: int, ids: dict[tuple[int, int], str], budget: _Budget) -> dict[tuple[int, int], Rollout]:
         """The rollouts at `ids` (slot -> stream id), fetched by id, while the budget lasts."""
