@@ -3,11 +3,14 @@
 - `overview`: the coordinator's status, sync history and samplers (read on the coordinator's thread, where
   every RPC reads them), the step series the coordinator keeps in Redis (`coord:steps`, one row per
   ReportStep: the trainer's statistics), and the newest dead letters with their reasons.
-- `batches` / `batch`: the ledger's recent batches, and one batch's rollouts as the samplers sent them, read
-  back from the rollouts stream (entries between the batch's planning and its completion; a rollout is
-  found while the stream still holds it: samplers trim acknowledged entries beyond `bus.max_stream_len`),
-  with the trainer's per-token log-ratios of that batch (`dlc:<run_id>:tokens`, the last
-  `trainer.dashboard_token_batches` batches: `trainer_svc/token_stats.py`).
+- `batches` / `batch`: the ledger's recent batches, and one trained batch's rollouts as the samplers sent them,
+  read back from the rollouts stream by the ids the trainer recorded for that batch, with its per-token
+  log-ratios (`dlc:<run_id>:tokens`, the last `trainer.dashboard_token_batches` trained batches:
+  rlcommon/token_stats.py). Only those entries are read (XRANGE id id, pipelined), under `BATCH_BYTE_BUDGET`
+  bytes per lookup (past it: what fits, `truncated: true`); a batch without a record (not trained yet, or
+  older than the kept ones) is answered with its prompts and a `note` saying so, never by scanning the stream.
+  A rollout is found while the stream still holds it (samplers trim acknowledged entries beyond
+  `bus.max_stream_len`).
 
 Non-finite floats become null (JSON has no NaN).
 """
@@ -30,12 +33,12 @@ __all__ = ["DashboardData", "finite"]
 MAX_STEP_ROWS = 5000
 """Rows of the step series one overview returns (the page asks again from where it stopped)."""
 RECENT_DEAD_LETTERS = 20
-SCAN_PAGE = 500
-"""Rollout-stream entries read per XRANGE while looking for a batch."""
-MAX_SCANNED = 50_000
-"""Entries read for one batch at most."""
-WINDOW_MARGIN_S = 10.0
-"""A batch's rollouts are looked for from its planning to its completion, widened by this (clock skew)."""
+BATCH_BYTE_BUDGET = 32 * 1024 * 1024
+"""Bytes of Redis entries (the trainer's records and rollouts) one batch lookup reads and decodes at most."""
+FETCH_CHUNK = 32
+"""Rollout ids asked for per pipelined round trip."""
+MAX_RECORDS_READ = 1000
+"""The trainer's records read while looking for one batch's, at most (it keeps trainer.dashboard_token_batches)."""
 
 
 def finite(value: Any) -> Any:
@@ -53,6 +56,20 @@ def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
+class _Budget:
+    """Bytes one lookup may still read; `take(n)` is False (and `exceeded` set) once `n` more do not fit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used, self.exceeded = limit, 0, False
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            self.exceeded = True
+            return False
+        self.used += n
+        return True
+
+
 class DashboardData:
     """Reads for the dashboard. `on_coordinator(fn)` runs `fn()` on the coordinator's thread and returns its
     result; `conn` is a RedisConnection of the coordinator's user (its own: the page's reads never wait on the
@@ -66,6 +83,7 @@ class DashboardData:
         conn: Any,
         tokenizer: Any,
         clock: Callable[[], float] = time.time,
+        byte_budget: int = BATCH_BYTE_BUDGET,
     ) -> None:
         self.core = core
         self.on_coordinator = on_coordinator
@@ -74,6 +92,7 @@ class DashboardData:
         self.store = CoordinatorStore(conn, core.run_id)
         self.tokenizer = tokenizer
         self.clock = clock
+        self.byte_budget = byte_budget
 
     # -------------------------------------------------------------------------------------- overview
 
@@ -150,16 +169,32 @@ class DashboardData:
 
     def batch(self, batch_id: int) -> dict[str, Any]:
         """One batch's groups: prompt text, and per sample its tokens (as text), reward, weight version,
-        log mu per token and, when the trainer kept them, δ_lag and δ_num per token. KeyError: not planned."""
+        log mu per token and, when the trainer kept them, δ_lag and δ_num per token. KeyError: not planned.
+
+        `bytes_read`: what this lookup read from Redis; `truncated`: the byte budget stopped it early; `note`:
+        why no rollout is shown, when none can be looked up."""
         core = self.core
         try:
             record = self.on_coordinator(lambda: core.batch_plan(batch_id))
         except InvalidArgument as err:  # not planned
             raise KeyError(str(err)) from None
-        group_ids = [g.group_id for g in record.groups]
-        slots = {(g, s) for g in group_ids for s in range(record.group_size)}
-        found = self._rollouts(batch_id, record, slots)
-        stats = self._token_stats(batch_id)
+        slots = {(g.group_id, s) for g in record.groups for s in range(record.group_size)}
+        budget = _Budget(self.byte_budget)
+        kept = self._trainer_record(batch_id, budget)
+        note = None
+        found: dict[tuple[int, int], Rollout] = {}
+        if kept is None and budget.exceeded:
+            note = f"the byte budget of one lookup ran out before the trainer's record of batch {batch_id} was read"
+        elif kept is None:
+            note = (f"batch {batch_id} is not trained yet: its rollouts are shown once the trainer has trained it"
+                    if record.status != "trained" else
+                    f"the trainer no longer keeps the rollout ids of batch {batch_id} (it keeps its last "
+                    "trainer.dashboard_token_batches trained batches)")
+        elif kept["ids"] is None:
+            note = f"the trainer's record of batch {batch_id} has no rollout ids (written by an older trainer)"
+        else:
+            found = self._rollouts(batch_id, {slot: i for slot, i in kept["ids"].items() if slot in slots}, budget)
+        stats = kept["rows"] if kept is not None else {}
         groups = []
         for plan in record.groups:
             samples = [self._sample(found[(plan.group_id, s)], stats.get((plan.group_id, s)))
@@ -168,38 +203,54 @@ class DashboardData:
                            "samples": samples})
         return finite({"batch_id": batch_id, "status": record.status, "trained_step": record.trained_step,
                        "num_slots": len(slots), "num_samples": len(found), "token_stats": bool(stats),
-                       "groups": groups})
+                       "note": note, "truncated": budget.exceeded, "bytes_read": budget.used, "groups": groups})
 
-    def _rollouts(self, batch_id: int, record: Any, slots: set[tuple[int, int]]) -> dict[tuple[int, int], Rollout]:
-        key = stream_key(self.run_id, "rollouts")
-        start = max(0, int((record.planned_at - WINDOW_MARGIN_S) * 1000))
-        end_at = record.complete_at or record.trained_at or self.clock()
-        end = f"{int((end_at + WINDOW_MARGIN_S) * 1000)}-18446744073709551615"
-        found: dict[tuple[int, int], Rollout] = {}
-        cursor, scanned = f"{start}-0", 0
-        while len(found) < len(slots) and scanned < MAX_SCANNED:
-            page = self.conn.call(lambda r, lo=cursor: r.xrange(key, min=lo, max=end, count=SCAN_PAGE))
-            if not page:
-                break
-            scanned += len(page)
-            for _, fields in page:
-                try:
-                    rollout = decode(fields.get(DATA_FIELD, b""), expected=Rollout, limits=self.core.cfg.wire)
-                except WireError:
-                    continue  # a malformed entry: the trainer dead-lettered it
-                slot = (rollout.group_id, rollout.sample_index)
-                if rollout.batch_id == batch_id and slot in slots and slot not in found:
-                    found[slot] = rollout
-            cursor = f"({_text(page[-1][0])}"
-        return found
-
-    def _token_stats(self, batch_id: int) -> dict[tuple[int, int], dict[str, list[float]]]:
+    def _trainer_record(self, batch_id: int, budget: _Budget) -> dict[str, Any] | None:
+        """The trainer's record of `batch_id` (rlcommon/token_stats.py), read newest first one entry at a time
+        (the stream holds `trainer.dashboard_token_batches` at most), or None."""
         key = stream_key(self.run_id, "tokens")
-        for _, fields in self.conn.call(lambda r: r.xrevrange(key, count=1000)):
-            stats = decode_token_stats(fields.get(DATA_FIELD, b""), batch_id=batch_id)
-            if stats is not None:
-                return stats["rows"]
-        return {}
+        cursor = "+"
+        for _ in range(MAX_RECORDS_READ):
+            page = self.conn.call(lambda r, hi=cursor: r.xrevrange(key, max=hi, count=1))
+            if not page:
+                return None
+            entry_id, fields = page[0]
+            data = fields.get(DATA_FIELD, b"")
+            if not budget.take(len(data)):
+                return None
+            decoded = decode_token_stats(data, batch_id=batch_id)
+            if decoded is not None:
+                return decoded
+            cursor = f"({_text(entry_id)}"
+        return None
+
+    def _rollouts(self, batch_id: int, ids: dict[tuple[int, int], str], budget: _Budget) -> dict[tuple[int, int], Rollout]:
+        """The rollouts at `ids` (slot -> stream id), fetched by id, while the budget lasts."""
+        key = stream_key(self.run_id, "rollouts")
+        found: dict[tuple[int, int], Rollout] = {}
+        wanted = sorted(ids.items())
+        for start in range(0, len(wanted), FETCH_CHUNK):
+            chunk = wanted[start:start + FETCH_CHUNK]
+
+            def fetch(r: Any, chunk: list[tuple[tuple[int, int], str]] = chunk) -> list[Any]:
+                pipe = r.pipeline(transaction=False)
+                for _, entry_id in chunk:
+                    pipe.xrange(key, min=entry_id, max=entry_id, count=1)
+                return pipe.execute()
+
+            for (slot, _), entries in zip(chunk, self.conn.call(fetch), strict=True):
+                if not entries:
+                    continue  # trimmed from the stream since
+                data = entries[0][1].get(DATA_FIELD, b"")
+                if not budget.take(len(data)):
+                    return found
+                try:
+                    rollout = decode(data, expected=Rollout, limits=self.core.cfg.wire)
+                except WireError:
+                    continue
+                if rollout.batch_id == batch_id and (rollout.group_id, rollout.sample_index) == slot:
+                    found[slot] = rollout
+        return found
 
     def _sample(self, rollout: Rollout, stats: dict[str, list[float]] | None) -> dict[str, Any]:
         ids = [int(t) for t in rollout.response_ids]

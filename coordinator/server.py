@@ -414,11 +414,12 @@ class CoordinatorServer:
             tokenizer=tokenizer_for(cfg.model, cfg.task),
         )
         dashboard = DashboardServer(data, host=self.host, port=cfg.coordinator.dashboard_port,
-                                    token=cfg.coordinator.auth_token, tls_cert=cfg.coordinator.tls_cert,
+                                    token=cfg.coordinator.auth_token, read_token=cfg.coordinator.dashboard_token,
+                                    hosts=cfg.coordinator.dashboard_hosts, tls_cert=cfg.coordinator.tls_cert,
                                     tls_key=cfg.coordinator.tls_key)
         port = dashboard.start()
         logger.info("dashboard on %s://%s:%d/%s", "https" if cfg.coordinator.tls_cert else "http", self.dial_host, port,
-                    " (its API needs the coordinator's token)" if cfg.coordinator.auth_token else "")
+                    " (its API needs a token)" if cfg.coordinator.auth_token or cfg.coordinator.dashboard_token else "")
         return dashboard
 
     async def _start_grpc(self, token: str | None, tls_cert: str | None, tls_key: str | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.lifecycle import spawn
-from rlcommon.config import RunConfig
+from rlcommon.config import CoordinatorConfig, RunConfig
 from rlcommon.entrypoint import STOP_WITH_PARENT_ENV
 from rlcommon.rpc import CoordinatorClient
 
@@ -61,6 +62,14 @@ def placement_env(cfg: RunConfig, visible: list[int] | None = None) -> dict[str,
     }
 
 
+def dashboard_token_for(ccfg: CoordinatorConfig) -> str | None:
+    """The dashboard's read-only token for a run: coordinator.dashboard_token, else a random one when
+    auth_token is set (the page and the URL the launcher prints never carry the write token), else None."""
+    if ccfg.dashboard_token:
+        return ccfg.dashboard_token
+    return secrets.token_urlsafe(24) if ccfg.auth_token else None
+
+
 def service_specs(
     *,
     cfg: RunConfig,
@@ -70,12 +79,14 @@ def service_specs(
     coordinator_port: int,
     redis_urls: dict[str, str] | None = None,
     dashboard_port: int | None = None,
+    dashboard_token: str | None = None,
 ) -> list[ServiceSpec]:
     """The coordinator, the samplers and the trainer, with the variables docker-compose.yml sets.
 
     redis_urls: each service's own URL by Redis user (`coordinator`, `sampler`, `trainer`: the embedded
     server's `url_for`, rlcommon/redis_acl.py); a service without one gets redis_url. dashboard_port: the
-    coordinator's dashboard (None: off)."""
+    coordinator's dashboard (None: off); dashboard_token: its read-only token (`dashboard_token_for`), given to
+    the coordinator only."""
     common = {
         "DLC_REDIS__URL": redis_url,
         "DLC_RUN_DIR": str(Path(cfg.run_dir).resolve()),
@@ -88,7 +99,8 @@ def service_specs(
     }
     client = {"DLC_COORDINATOR__ADDRESS": f"127.0.0.1:{coordinator_port}", **placement_env(cfg)}
     coordinator_env = {**common, "DLC_COORDINATOR__METRICS_PORT": "0",
-                       "DLC_COORDINATOR__DASHBOARD_PORT": "none" if dashboard_port is None else str(dashboard_port)}
+                       "DLC_COORDINATOR__DASHBOARD_PORT": "none" if dashboard_port is None else str(dashboard_port),
+                       "DLC_COORDINATOR__DASHBOARD_TOKEN": dashboard_token or ""}
     specs = [ServiceSpec("coordinator", "coordinator", config_path, coordinator_env)]
     for index in range(cfg.num_samplers):
         specs.append(

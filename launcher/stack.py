@@ -18,6 +18,7 @@ from launcher.processes import (
     ServiceProcess,
     ServiceSpec,
     check_alive,
+    dashboard_token_for,
     free_port,
     logger,
     restart_delay,
@@ -54,8 +55,12 @@ class LocalStack:
         configured = cfg.coordinator.dashboard_port
         self.dashboard_port = configured if configured not in (None, 0) else free_port()
         """The coordinator's dashboard (coordinator/dashboard.py): always on in a local stack."""
-        token = f"?token={cfg.coordinator.auth_token}" if cfg.coordinator.auth_token else ""
+        self.dashboard_token = dashboard_token_for(cfg.coordinator)
+        """The dashboard's read-only token: coordinator.dashboard_token, else one made for this run when
+        auth_token is set (the coordinator gets it in DLC_COORDINATOR__DASHBOARD_TOKEN), else None."""
+        token = f"?token={self.dashboard_token}" if self.dashboard_token else ""
         self.dashboard_url = f"{'https' if cfg.coordinator.tls_cert else 'http'}://127.0.0.1:{self.dashboard_port}/{token}"
+        """What the launcher prints: it carries the read-only token only, never auth_token."""
         self.client = CoordinatorClient.from_config(cfg.coordinator, address=self.address)
         """The launcher's own client of the coordinator (health, summary); tests use it too."""
         self.specs: dict[str, ServiceSpec] = {}
@@ -86,7 +91,7 @@ class LocalStack:
             redis_urls = {user: self.redis_server.url_for(user) for user in SERVICE_USERS}
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
                               model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls,
-                              dashboard_port=self.dashboard_port)
+                              dashboard_port=self.dashboard_port, dashboard_token=self.dashboard_token)
         self.specs = {spec.name: spec for spec in specs}
         # Every service starts at once: a sampler's engine (the longest start) need not wait for the coordinator,
         # and the clients wait for it to serve (gRPC wait-for-ready); the consumer groups read from the streams'

@@ -284,8 +284,9 @@ class TrainerConfig(StrictModel):
     """Response positions per LM-head chunk (logits, log-softmax, their backward): bounds the vocabulary-sized
     memory to [chunk, V]. None: as many as fit 64 Mi float32 logits (256 MiB)."""
     dashboard_token_batches: int = Field(16, ge=0)
-    """The last N trained batches whose per-token log-ratios (policy lag, numerical discrepancy) the trainer
-    keeps in Redis for the dashboard's rollout browser (rlcommon/token_stats.py); 0 = none."""
+    """The last N trained batches whose rollouts stream ids and per-token log-ratios (policy lag, numerical
+    discrepancy) the trainer keeps in Redis for the dashboard's rollout browser (rlcommon/token_stats.py): it
+    shows these batches only; 0 = none."""
     checkpoint_every: int = Field(10, ge=1)
     """Checkpoint every N steps (rollouts are acked only once a checkpoint covers them, so the queue holds the
     rollouts of up to N steps, and a restarted trainer trains up to N - 1 steps again). The last step and a
@@ -382,7 +383,12 @@ class CoordinatorConfig(StrictModel):
     """Prometheus port (None = off, 0 = pick a free one)."""
     dashboard_port: int | None = Field(None, ge=0, le=65535)
     """The run dashboard's HTTP port (coordinator/dashboard.py: a read-only page on the coordinator's host, its
-    API behind auth_token when set, HTTPS with tls_cert/tls_key); None = off, 0 = pick a free one."""
+    API behind dashboard_token or auth_token when either is set, HTTPS with tls_cert/tls_key); None = off, 0 = pick
+    a free one."""
+    dashboard_hosts: list[str] = Field(default_factory=list)
+    """Names (as in the browser's address, without the port) the dashboard answers for besides localhost,
+    127.0.0.1 and [::1]: a request with another Host header gets 421 (a DNS-rebinding page cannot read the run).
+    Set it to the machine's public name or address when the dashboard is opened from another host."""
 
     @property
     def dial_address(self) -> str:

@@ -75,6 +75,8 @@ class BatchBuffer:
 
     rollouts: dict[tuple[int, int], Rollout] = field(default_factory=dict)
     entry_ids: list[bytes] = field(default_factory=list)
+    slot_entry_ids: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    """The rollouts stream id of each slot's rollout (kept for the dashboard: rlcommon/token_stats.py)."""
     received_at: dict[tuple[int, int], float] = field(default_factory=dict)
     """Wall-clock time each slot's rollout arrived (its bus latency: `trainer_svc/stages.py`)."""
 
@@ -287,6 +289,7 @@ class TrainerService:
                 self.duplicates_dropped += 1
                 continue
             buffer.rollouts[slot] = rollout
+            buffer.slot_entry_ids[slot] = delivery.entry_id
             buffer.received_at[slot] = received_at
         for reason, items in rejects.items():
             self.rejected_rollouts += len(items)
@@ -374,7 +377,8 @@ class TrainerService:
         # The row before the checkpoint that covers its step: a crash after the checkpoint must not lose it (a
         # crash before it replays the step, and metrics.jsonl is cut back to the checkpoint on resume).
         self.metrics.log(step, record)
-        self.keep_token_stats(batch_id, step, slots, rollouts, result)
+        self.keep_token_stats(batch_id, step, slots, rollouts, result,
+                              entry_ids=[buffer.slot_entry_ids[slot] for slot in slots])
         logger.info(
             "step %d batch %d reward %.3f ess_lag %.3f version %d%s",
             step, batch_id, result.metrics.get("reward_mean", float("nan")), result.metrics.get("ess_lag", float("nan")),
@@ -387,15 +391,17 @@ class TrainerService:
             self.release_old_versions()
 
     def keep_token_stats(self, batch_id: int, step: int, slots: list[tuple[int, int]], rollouts: list[Rollout],
-                         result: StepResult) -> None:
-        """The batch's per-token log-ratios for the dashboard (rlcommon/token_stats.py), the last
-        `trainer.dashboard_token_batches` kept. Best effort: a failure is logged, the run goes on."""
+                         result: StepResult, *, entry_ids: list[bytes]) -> None:
+        """The batch's rollouts stream ids and per-token log-ratios for the dashboard (rlcommon/token_stats.py),
+        the last `trainer.dashboard_token_batches` kept. Best effort: a failure is logged, the run goes on."""
         keep = self.cfg.trainer.dashboard_token_batches
-        if not keep or result.token_logratios is None:
+        if not keep:
             return
-        lag, num = (result.token_logratios[k].float().cpu().numpy() for k in ("lag", "num"))
+        lag = num = None
+        if result.token_logratios is not None:
+            lag, num = (result.token_logratios[k].float().cpu().numpy() for k in ("lag", "num"))
         data = encode_token_stats(batch_id=batch_id, step=step, slots=slots, lag=lag, num=num,
-                                  lengths=[len(r.response_ids) for r in rollouts])
+                                  lengths=[len(r.response_ids) for r in rollouts], entry_ids=entry_ids)
         key = stream_key(self.cfg.bus.run_id, "tokens")
         try:
             self.conn.call(lambda r: r.xadd(key, {DATA_FIELD: data}, maxlen=keep, approximate=False))

@@ -1,9 +1,25 @@
 // The run dashboard: polls the coordinator's read-only JSON API (coordinator/dashboard.py) and draws it.
-// Charts: uPlot (static/vendor, pinned). A token given as ?token=... is sent as a Bearer header.
+// Charts: uPlot (static/vendor, pinned). A token given as ?token=... (the read-only dashboard_token) is sent as
+// a Bearer header: it is kept in this tab's sessionStorage and taken off the address bar at once (history,
+// bookmarks and screen shares then hold no token).
 "use strict";
 
 const POLL_MS = 2000;
-const token = new URLSearchParams(location.search).get("token");
+const TOKEN_KEY = "dlc-dashboard-token";
+
+function takeToken() {
+  const url = new URL(location.href);
+  const given = url.searchParams.get("token");
+  if (given !== null) {
+    try { sessionStorage.setItem(TOKEN_KEY, given); } catch (err) { /* storage off: kept in memory only */ }
+    url.searchParams.delete("token");
+    history.replaceState(history.state, "", url.pathname + url.search + url.hash);
+    return given;
+  }
+  try { return sessionStorage.getItem(TOKEN_KEY); } catch (err) { return null; }
+}
+
+const token = takeToken();
 const state = { rows: [], next: 0, charts: {}, syncSteps: [], essThreshold: null, lastSamplers: {}, lastPoll: null,
                 batchLoaded: null };
 
@@ -214,7 +230,8 @@ function drawBatch(batch) {
   document.getElementById("batch-summary").textContent =
     `batch ${batch.batch_id} · ${batch.status}${batch.trained_step >= 0 ? ` at step ${batch.trained_step}` : ""} · ` +
     `${batch.num_samples} of ${batch.num_slots} samples found in the rollouts stream` +
-    (batch.token_stats ? " · trainer's per-token log-ratios: yes" : " · trainer's per-token log-ratios: not kept");
+    (batch.token_stats ? " · trainer's per-token log-ratios: yes" : " · trainer's per-token log-ratios: not kept") +
+    (batch.truncated ? " · cut short: the lookup's byte budget ran out" : "") + (batch.note ? ` · ${batch.note}` : "");
   const groups = batch.groups.map((g) => el("div", { class: "group", "data-group": g.group_id },
     el("div", { class: "prompt" }, `group ${g.group_id}: `, el("b", {}, g.prompt),
        g.answer ? el("span", { class: "muted" }, `  expected ${g.answer}`) : ""),
@@ -262,7 +279,9 @@ function show(view) {
 }
 
 document.querySelectorAll("nav button").forEach((b) => b.addEventListener("click", () => show(b.dataset.view)));
-document.getElementById("batch-select").addEventListener("change", (e) => loadBatch(e.target.value));
+document.getElementById("batch-select").addEventListener("change", (e) => loadBatch(e.target.value).catch((err) => {
+  document.getElementById("batch-summary").textContent = `no answer: ${err.message}`;  // e.g. 429: another lookup runs
+}));
 document.getElementById("token-metric").addEventListener("change", () => state.batchLoaded && drawBatch(state.batchLoaded));
 poll();
 setInterval(poll, POLL_MS);

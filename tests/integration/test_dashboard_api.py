@@ -28,6 +28,8 @@ from rlcommon.wire import Rollout
 
 RUN_ID = "dash"
 TOKEN = "dash-token"
+READ_TOKEN = "dash-read-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 B, G = 2, 2
 
 
@@ -36,7 +38,7 @@ def dashboard(redis_url):
     """A coordinator with its dashboard on a free port; yields (base url, gRPC stub, admin connection)."""
     cfg = load_config(RunConfig, [], {"bus": {"run_id": RUN_ID}, "coordinator": {
         "batch_size": B, "group_size": G, "max_inflight_batches": 2, "port": 0, "dashboard_port": 0,
-        "sync_policy": "never", "auth_token": TOKEN}})
+        "sync_policy": "never", "auth_token": TOKEN, "dashboard_token": READ_TOKEN}})
     conn = RedisConnection(redis_url, reconnect_max_s=2.0)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -92,6 +94,41 @@ def test_the_api_needs_the_token_and_names_bad_arguments(dashboard):
     assert status == 404 and "batch 99 is not planned" in body["error"]
 
 
+def test_the_api_takes_the_read_only_token_and_the_write_token(dashboard):
+    base, _, _ = dashboard
+    assert get(f"{base}/api/overview", token=READ_TOKEN)[0] == 200  # the page's token
+    assert get(f"{base}/api/batches", token=TOKEN)[0] == 200  # API clients (curl) with the write token
+    assert get(f"{base}/api/overview", token=READ_TOKEN + "x")[0] == 401
+    assert get(f"{base}/api/overview", token=READ_TOKEN[:-1])[0] == 401
+
+
+def test_the_page_takes_the_token_off_the_address_bar_and_still_gets_its_data(dashboard):
+    """Chromium opens /?token=<dashboard_token>: afterwards location.href holds no token, the page shows the
+    coordinator's plan (its API answered to the token), a reload still does (sessionStorage), and the console
+    holds no error (the Content-Security-Policy lets the page and its chart library run)."""
+    from tests.integration import browser
+
+    reason = browser.missing()
+    if reason is not None:
+        pytest.skip(reason)
+    from selenium.webdriver.common.by import By
+
+    base, _, _ = dashboard
+    driver = browser.start_browser()
+    try:
+        driver.get(f"{base}/?token={READ_TOKEN}#overview")
+        for _ in range(2):
+            browser.wait_for(lambda: driver.find_element(By.ID, "count-total").get_attribute("data-value") == "2",
+                             timeout_s=60, what="the plan's figures on the page")
+            href = driver.execute_script("return location.href")
+            assert href == f"{base}/#overview" and driver.current_url == href
+            assert READ_TOKEN not in driver.execute_script("return document.documentElement.outerHTML")
+            driver.refresh()
+        assert browser.console_errors(driver) == []
+    finally:
+        driver.quit()
+
+
 def test_overview_has_the_plan_the_steps_with_nan_as_null_and_dead_letters(dashboard):
     base, stub, conn = dashboard
     status, overview = get_json(f"{base}/api/overview")
@@ -128,23 +165,153 @@ def test_a_batch_shows_each_groups_prompt_samples_and_per_token_log_ratios(dashb
     base, stub, conn = dashboard
     texts = {(0, 0): "12", (0, 1): "7", (1, 0): "345", (1, 1): "9"}
     producer = StreamProducer(conn, stream_key(RUN_ID, "rollouts"))
-    producer.send_many([rollout(0, g, s, text, reward=float(g == s)) for (g, s), text in texts.items()])
-    producer.send_many([rollout(1, 0, 0, "99", 1.0)])  # another batch's rollout: not shown in batch 0
     slots = sorted(texts)
+    ids = producer.send_many([rollout(0, g, s, texts[(g, s)], reward=float(g == s)) for g, s in slots])
+    producer.send_many([rollout(1, 0, 0, "99", 1.0)])  # another batch's rollout: not shown in batch 0
     lag = np.array([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0], [0.5, 0.6, 0.7], [-0.25, 0.0, 0.0]], np.float32)
     data = encode_token_stats(batch_id=0, step=0, slots=slots, lag=lag, num=-lag,
-                              lengths=[len(texts[slot]) for slot in slots])
+                              lengths=[len(texts[slot]) for slot in slots], entry_ids=ids)
     conn.call(lambda r: r.xadd(stream_key(RUN_ID, "tokens"), {DATA_FIELD: data}))
     status, batch = get_json(f"{base}/api/batches/0")
     assert status == 200 and batch["num_slots"] == 4 and batch["num_samples"] == 4 and batch["token_stats"]
+    assert batch["note"] is None and batch["truncated"] is False
     groups = {g["group_id"]: g for g in batch["groups"]}
-    plan = stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=0)).plan
+    plan = stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=0), metadata=AUTH).plan
     assert [g["prompt"] for g in batch["groups"]] == [g.prompt for g in plan.groups]  # the planned prompts
     sample = groups[1]["samples"][0]
     assert sample["text"] == "345" and sample["tokens"] == ["3", "4", "5"] and sample["reward"] == 0.0
     assert sample["lag"] == pytest.approx([0.5, 0.6, 0.7], rel=2**-10) and sample["logmu"] == [-0.5] * 3
     assert groups[0]["samples"][1]["num"] == pytest.approx([-0.4], rel=2**-10)
     assert [b["batch_id"] for b in get_json(f"{base}/api/batches")[1]["batches"]] == [1, 0]
-    # batch 1: one of its slots found, and no per-token statistics kept for it
+    # batch 1: the trainer has no record of it (not trained): its prompts, no rollouts, and why
     _, other = get_json(f"{base}/api/batches/1")
-    assert other["num_samples"] == 1 and not other["token_stats"] and other["groups"][0]["samples"][0]["lag"] is None
+    assert other["num_samples"] == 0 and not other["token_stats"] and len(other["groups"]) == B
+    assert "batch 1 is not trained yet" in other["note"]
+
+
+def test_a_batch_lookup_reads_only_that_batchs_entries(dashboard):
+    """Thousands of other rollouts in the stream between a batch's entries: the lookup reads the trainer's
+    record and the batch's own entries, nothing else (bytes_read is exactly their sizes)."""
+    base, _, conn = dashboard
+    key = stream_key(RUN_ID, "rollouts")
+    producer = StreamProducer(conn, key, max_stream_len=100_000)
+    slots = [(g, s) for g in range(B) for s in range(G)]
+    ids = []
+    for g, s in slots:
+        producer.send_many([rollout(5, g, s, "0" * 50, 0.0) for _ in range(500)])  # other batches' (5: not 0)
+        ids += producer.send_many([rollout(0, g, s, str(g * G + s), 1.0)])
+    data = encode_token_stats(batch_id=0, step=0, slots=slots, lag=None, num=None, lengths=[1] * len(slots),
+                              entry_ids=ids)
+    conn.call(lambda r: r.xadd(stream_key(RUN_ID, "tokens"), {DATA_FIELD: data}))
+    sizes = [len(conn.call(lambda r, i=i: r.xrange(key, min=i, max=i))[0][1][DATA_FIELD]) for i in ids]
+    status, batch = get_json(f"{base}/api/batches/0")
+    assert status == 200 and batch["num_samples"] == len(slots) and batch["truncated"] is False
+    assert batch["bytes_read"] == len(data) + sum(sizes)
+    assert sorted(s["text"] for g in batch["groups"] for s in g["samples"]) == ["0", "1", "2", "3"]
+
+
+def test_the_byte_budget_cuts_a_lookup_short(redis_url):
+    """A budget that fits the trainer's record and two rollouts: two samples, truncated: true."""
+    from coordinator.dashboard import DashboardServer
+    from coordinator.dashboard_data import DashboardData
+
+    cfg = load_config(RunConfig, [], {"bus": {"run_id": RUN_ID}, "coordinator": {
+        "batch_size": B, "group_size": G, "max_inflight_batches": 2, "sync_policy": "never"}})
+    conn = RedisConnection(redis_url, reconnect_max_s=2.0)
+    core = Coordinator(cfg, conn=conn, encode=CharTokenizer().encode)
+    core.start()
+    slots = [(g, s) for g in range(B) for s in range(G)]
+    ids = StreamProducer(conn, stream_key(RUN_ID, "rollouts")).send_many(
+        [rollout(0, g, s, "x" * 40, 0.0) for g, s in slots])
+    data = encode_token_stats(batch_id=0, step=0, slots=slots, lag=None, num=None, lengths=[1] * 4, entry_ids=ids)
+    conn.call(lambda r: r.xadd(stream_key(RUN_ID, "tokens"), {DATA_FIELD: data}))
+    size = len(conn.call(lambda r: r.xrange(stream_key(RUN_ID, "rollouts"), count=1))[0][1][DATA_FIELD])
+    data_ = DashboardData(core=core, on_coordinator=lambda fn: fn(), conn=conn, tokenizer=CharTokenizer(),
+                          byte_budget=len(data) + 2 * size + size // 2)
+    server = DashboardServer(data_, host="127.0.0.1", port=0, token=None)
+    port = server.start()
+    try:
+        status, batch = get_json(f"http://127.0.0.1:{port}/api/batches/0", token=None)
+    finally:
+        server.stop()
+        core.stop()
+        conn.close()
+    assert status == 200 and batch["truncated"] is True and batch["num_samples"] == 2
+    assert batch["bytes_read"] == len(data) + 2 * size
+
+
+class GatedTokenizer(CharTokenizer):
+    """A CharTokenizer whose decode waits until `release` is set (a batch lookup held mid-way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def decode(self, *args, **kwargs):
+        self.entered.set()
+        assert self.release.wait(60), "never released"
+        return super().decode(*args, **kwargs)
+
+
+def test_one_batch_lookup_at_a_time_the_next_gets_429(redis_url):
+    from coordinator.dashboard import DashboardServer
+    from coordinator.dashboard_data import DashboardData
+
+    cfg = load_config(RunConfig, [], {"bus": {"run_id": RUN_ID}, "coordinator": {
+        "batch_size": B, "group_size": G, "max_inflight_batches": 2, "sync_policy": "never"}})
+    conn = RedisConnection(redis_url, reconnect_max_s=2.0)
+    core = Coordinator(cfg, conn=conn, encode=CharTokenizer().encode)
+    core.start()
+    ids = StreamProducer(conn, stream_key(RUN_ID, "rollouts")).send_many([rollout(0, 0, 0, "1", 0.0)])
+    data = encode_token_stats(batch_id=0, step=0, slots=[(0, 0)], lag=None, num=None, lengths=[1], entry_ids=ids)
+    conn.call(lambda r: r.xadd(stream_key(RUN_ID, "tokens"), {DATA_FIELD: data}))
+    tokenizer = GatedTokenizer()
+    server = DashboardServer(DashboardData(core=core, on_coordinator=lambda fn: fn(), conn=conn, tokenizer=tokenizer),
+                             host="127.0.0.1", port=0, token=None)
+    base = f"http://127.0.0.1:{server.start()}"
+    first: list = []
+    thread = threading.Thread(target=lambda: first.append(get_json(f"{base}/api/batches/0", token=None)))
+    try:
+        thread.start()
+        assert tokenizer.entered.wait(60)  # the first lookup is decoding
+        request = urllib.request.Request(f"{base}/api/batches/0")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=20)
+        assert refused.value.code == 429 and refused.value.headers["Retry-After"]
+        assert "another batch lookup is running" in json.loads(refused.value.read())["error"]
+        assert get(f"{base}/api/overview", token=None)[0] == 200  # the rest of the API still answers
+        tokenizer.release.set()
+        thread.join(60)
+        (status, body), = first
+        assert status == 200 and body["num_samples"] == 1
+        assert get(f"{base}/api/batches/0", token=None)[0] == 200  # free again
+    finally:
+        tokenizer.release.set()
+        server.stop()
+        core.stop()
+        conn.close()
+
+
+def test_the_url_make_run_prints_opens_the_api_with_a_read_only_token(tmp_path):
+    """A local stack (redis-server and the coordinator; samplers and trainer held back) with auth_token set: the
+    printed URL carries a token that is not auth_token, and the coordinator's dashboard answers to it."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from launcher.stack import LocalStack
+    from tests.integration.stacks import stack_config
+
+    write = "launcher-write-token"
+    cfg = stack_config(tmp_path, steps=1, run_id="dash-url", overrides=[f"--coordinator.auth_token={write}"])
+    stack = LocalStack(cfg)
+    try:
+        stack.start(hold=("sampler-0", "trainer"))
+        url = urlsplit(stack.dashboard_url)
+        (token,) = parse_qs(url.query)["token"]
+        assert write not in stack.dashboard_url and token == stack.dashboard_token
+        base = f"{url.scheme}://{url.netloc}"
+        assert get(f"{base}/api/overview", token=token)[0] == 200
+        assert get(f"{base}/api/overview", token=write)[0] == 200  # curl with the write token
+        assert get(f"{base}/api/overview", token=None)[0] == 401
+        assert write not in (tmp_path / "logs" / "coordinator.log").read_text()
+    finally:
+        stack.stop()

@@ -125,3 +125,32 @@ def test_progress_times_the_first_step_trained_after_the_start(tmp_path, capsys)
     progress.update()
     assert progress.first_step_s == pytest.approx(2.5)
     assert "first step trained 2.5 s after the start" in capsys.readouterr().out
+
+
+def test_the_dashboard_url_carries_a_read_only_token_never_the_write_token(tmp_path):
+    """With auth_token set and no dashboard_token, the run gets a random read-only token: the printed URL carries
+    it, only the coordinator is given it, and the write token appears in neither the URL nor that variable."""
+    from launcher.processes import service_specs
+
+    write = "write-token-0123456789"
+    cfg = RunConfig(run_dir=str(tmp_path), coordinator={"auth_token": write})
+    stack = LocalStack(cfg)
+    try:
+        read = stack.dashboard_token
+        assert read and write not in read and len(read) >= 32
+        assert stack.dashboard_url == f"http://127.0.0.1:{stack.dashboard_port}/?token={read}"
+        assert write not in stack.dashboard_url
+        assert LocalStack(cfg).dashboard_token != read  # one per run
+        specs = service_specs(cfg=cfg, config_path=tmp_path / "c.toml", redis_url="redis://x:1/0", model_dir="/m",
+                              coordinator_port=1, dashboard_port=2, dashboard_token=read)
+        tokens = {s.name: s.env.get("DLC_COORDINATOR__DASHBOARD_TOKEN") for s in specs}
+        assert tokens == {"coordinator": read, "sampler-0": None, "trainer": None}
+    finally:
+        stack.client.close()
+    configured = LocalStack(RunConfig(run_dir=str(tmp_path), coordinator={"auth_token": write,
+                                                                          "dashboard_token": "mine"}))
+    assert configured.dashboard_url.endswith("/?token=mine")
+    no_token = LocalStack(RunConfig(run_dir=str(tmp_path)))
+    assert no_token.dashboard_token is None and no_token.dashboard_url.endswith(f":{no_token.dashboard_port}/")
+    for stack in (configured, no_token):
+        stack.client.close()

@@ -32,3 +32,19 @@ def test_unreadable_entries_decode_to_none_and_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="2 slots, 1 lengths"):
         encode_token_stats(batch_id=0, step=0, slots=[(0, 0), (0, 1)], lag=np.zeros((2, 3)), num=np.zeros((2, 3)),
                            lengths=[3])
+
+
+def test_the_entry_ids_of_each_slot_round_trip_with_or_without_rows():
+    slots = [(0, 0), (1, 1)]
+    data = encode_token_stats(batch_id=3, step=2, slots=slots, lag=None, num=None, lengths=[1, 1],
+                              entry_ids=[b"17-0", "18-3"])
+    stats = decode_token_stats(data, batch_id=3)
+    assert stats["rows"] == {} and stats["ids"] == {(0, 0): "17-0", (1, 1): "18-3"}
+    lag = np.zeros((2, 1), np.float32)
+    with_rows = decode_token_stats(encode_token_stats(batch_id=3, step=2, slots=slots, lag=lag, num=lag,
+                                                      lengths=[1, 1], entry_ids=[b"1-0", b"2-0"]))
+    assert set(with_rows["rows"]) == set(slots) and with_rows["ids"][(1, 1)] == "2-0"
+    assert decode_token_stats(encode_token_stats(batch_id=3, step=2, slots=slots, lag=lag, num=lag,
+                                                 lengths=[1, 1]))["ids"] is None  # an older trainer's entry
+    with pytest.raises(ValueError, match="2 slots, 1 entry ids"):
+        encode_token_stats(batch_id=0, step=0, slots=slots, lag=None, num=None, lengths=[1, 1], entry_ids=[b"1-0"])
