@@ -56,6 +56,7 @@ class Stack:
         self.env = {
             **os.environ,
             "DLC_TOKEN": secrets.token_hex(24),
+            "DLC_DASHBOARD_TOKEN": secrets.token_hex(24),
             "DLC_REDIS_COORDINATOR_PASSWORD": secrets.token_hex(24),
             "DLC_REDIS_TRAINER_PASSWORD": secrets.token_hex(24),
             "DLC_REDIS_SAMPLER_PASSWORD": secrets.token_hex(24),
@@ -215,7 +216,8 @@ def test_the_dashboard_answers_on_this_host_with_the_token(stack):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{base}/api/overview", timeout=30)
     assert refused.value.code == 401
-    request = urllib.request.Request(f"{base}/api/overview", headers={"Authorization": f"Bearer {stack.env['DLC_TOKEN']}"})
+    request = urllib.request.Request(  # the read-only token the page is opened with
+        f"{base}/api/overview", headers={"Authorization": f"Bearer {stack.env['DLC_DASHBOARD_TOKEN']}"})
     with urllib.request.urlopen(request, timeout=30) as reply:
         overview = json.loads(reply.read())
     status = stack.dlcctl("status")
