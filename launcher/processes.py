@@ -17,6 +17,7 @@ from pathlib import Path
 from launcher.lifecycle import spawn
 from rlcommon.config import RunConfig
 from rlcommon.entrypoint import STOP_WITH_PARENT_ENV
+from rlcommon.gpu_placement import VisibleGpus, visible_gpus
 from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
@@ -43,15 +44,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def placement_env(cfg: RunConfig, visible: list[int] | None = None) -> dict[str, str]:
+def placement_env(cfg: RunConfig, visible: VisibleGpus | None = None) -> dict[str, str]:
     """compose's GPU placement variables (rlcommon/gpu_placement.py) for the trainer and samplers: on a machine
     with GPUs and a GPU trainer, the same placement as compose, with the locks in `<run_dir>/gpu-locks`;
-    otherwise off (`placement.lock_dir`, when set, wins)."""
-    from rlcommon.gpu_placement import visible_gpus
-
-    visible = visible_gpus() if visible is None else visible
+    otherwise off (`placement.lock_dir`, when set, wins). The services place themselves among the GPUs this
+    process was given (its CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES, which they inherit), never others."""
     lock_dir = cfg.placement.lock_dir
-    if lock_dir is None and cfg.trainer.device != "cpu" and visible:
+    if lock_dir is None and cfg.trainer.device != "cpu" and (visible_gpus() if visible is None else visible):
         lock_dir = str(Path(cfg.run_dir).resolve() / "gpu-locks")
     sampler_gpus = cfg.placement.sampler_gpus
     return {

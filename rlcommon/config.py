@@ -420,9 +420,10 @@ class PlacementConfig(StrictModel):
     lock_dir: str | None = None
     """Folder shared by a node's sampler replicas where each claims a GPU by a lock file; None: no placement."""
     trainer_gpus: list[int] = Field(default_factory=lambda: [0])
-    """GPU ids (nvidia-smi's) the trainer uses."""
+    """Positions (from 0) in the list of GPUs the service was given (CUDA_VISIBLE_DEVICES, else
+    NVIDIA_VISIBLE_DEVICES, else /dev/nvidia<N>) that the trainer uses; where every GPU is visible, nvidia-smi's ids."""
     sampler_gpus: list[int] | None = None
-    """GPU ids the sampler replicas share out, one each; None: every visible GPU but the trainer's."""
+    """Positions (as trainer_gpus) the sampler replicas share out, one each; None: every visible GPU but the trainer's."""
 
     _ids = field_validator("trainer_gpus", "sampler_gpus", mode="before")(_gpu_ids)
 
