@@ -103,6 +103,7 @@ def service_specs(
                     "DLC_SAMPLER__GPU_MEMORY_UTILIZATION": str(cfg.sampler.gpu_memory_utilization),
                     "DLC_SAMPLER__KV_CACHE_GIB": str(cfg.sampler.kv_cache_gib or "none"),
                     "DLC_SAMPLER__METRICS_PORT": "0",
+                    "DLC_SAMPLER__METRICS_HOST": "127.0.0.1",  # make run: everything on this host only
                     # On a small CPU machine: the engine on one core, the other left to the trainer.
                     "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -115,6 +116,7 @@ def service_specs(
             "trainer_svc",
             config_path,
             {**common, **client, "DLC_TRAINER__DEVICE": cfg.trainer.device, "DLC_TRAINER__METRICS_PORT": "0",
+             "DLC_TRAINER__METRICS_HOST": "127.0.0.1",
              "DLC_TRAINER__PARALLEL__DP_SHARD": str(cfg.trainer.parallel.dp_shard)},
         )
     )

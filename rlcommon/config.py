@@ -191,6 +191,8 @@ class SamplerConfig(StrictModel):
     """Base seed; per-request seeds derive from it and the task id."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port (None = off, 0 = pick a free one)."""
+    metrics_host: str = "127.0.0.1"
+    """Host the Prometheus port binds (compose: 0.0.0.0 inside the container, for Prometheus on its network)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Heartbeat interval to the coordinator."""
     weights_dir: str | None = None
@@ -294,6 +296,8 @@ class TrainerConfig(StrictModel):
     """How many checkpoints to keep."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port (None = off, 0 = pick a free one)."""
+    metrics_host: str = "127.0.0.1"
+    """Host the Prometheus port binds (compose: 0.0.0.0 inside the container, for Prometheus on its network)."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     """Constants of the corrections."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -372,7 +376,7 @@ class CoordinatorConfig(StrictModel):
     tls_server_name: str | None = None
     """Clients: the name checked against the certificate when the dialed address is not in it."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
-    """Prometheus port (None = off, 0 = pick a free one)."""
+    """Prometheus port (None = off, 0 = pick a free one); binds `host`, as the gRPC server does."""
     dashboard_port: int | None = Field(None, ge=0, le=65535)
     """The run dashboard's HTTP port (coordinator/dashboard.py: a read-only page on the coordinator's host, its
     API behind auth_token when set, HTTPS with tls_cert/tls_key); None = off, 0 = pick a free one."""

@@ -80,7 +80,7 @@ class SamplerService:
         )
         self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts")
         self.coordinator = AsyncCoordinatorClient.from_config(cfg.coordinator)
-        start_metrics_server(cfg.sampler.metrics_port)
+        start_metrics_server(cfg.sampler.metrics_port, cfg.sampler.metrics_host)
         self.metrics = MetricsSink(service="sampler")
         await self.register()
         if self.wanted_update is not None:  # published before this sampler started: loaded before any task

@@ -178,7 +178,7 @@ class TrainerService:
         )
         self.coordinator = CoordinatorClient.from_config(cfg.coordinator)
         self.refresh_status()
-        start_metrics_server(cfg.trainer.metrics_port)
+        start_metrics_server(cfg.trainer.metrics_port, cfg.trainer.metrics_host)
         metrics_path = self.run_dir / "metrics.jsonl"
         dropped = truncate_metrics(metrics_path, before_step=self.train_step.step)
         if dropped:
