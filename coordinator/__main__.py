@@ -52,7 +52,7 @@ async def serve(cfg: RunConfig) -> int:
         coordinator = Coordinator(cfg, conn=conn, encode=encoder_for(cfg.model, cfg.task))
         metrics = None
         if cfg.coordinator.metrics_port is not None:
-            start_metrics_server(cfg.coordinator.metrics_port)
+            start_metrics_server(cfg.coordinator.metrics_port, cfg.coordinator.host)
             metrics = MetricsSink(service="coordinator")
         server = CoordinatorServer(cfg, coordinator, metrics=metrics)
         stopping = stop_event()

@@ -189,7 +189,7 @@ class Coordinator:
         self._task_source = task_source
         self._encode = encode
         if tasks_producer is None:
-            tasks_producer = StreamProducer.from_config(conn, cfg.bus, "tasks", backpressure=False)
+            tasks_producer = StreamProducer.from_config(conn, cfg.bus, "tasks", backpressure=False, create_group=True)
         if rollouts_producer is None:  # never sends: only its queue depth is read
             rollouts_producer = StreamProducer.from_config(conn, cfg.bus, "rollouts", backpressure=False)
         self._tasks_producer = tasks_producer

@@ -18,6 +18,7 @@ from pathlib import Path
 from launcher.lifecycle import spawn
 from rlcommon.config import CoordinatorConfig, RunConfig
 from rlcommon.entrypoint import STOP_WITH_PARENT_ENV
+from rlcommon.gpu_placement import VisibleGpus, visible_gpus
 from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
@@ -44,15 +45,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def placement_env(cfg: RunConfig, visible: list[int] | None = None) -> dict[str, str]:
+def placement_env(cfg: RunConfig, visible: VisibleGpus | None = None) -> dict[str, str]:
     """compose's GPU placement variables (rlcommon/gpu_placement.py) for the trainer and samplers: on a machine
     with GPUs and a GPU trainer, the same placement as compose, with the locks in `<run_dir>/gpu-locks`;
-    otherwise off (`placement.lock_dir`, when set, wins)."""
-    from rlcommon.gpu_placement import visible_gpus
-
-    visible = visible_gpus() if visible is None else visible
+    otherwise off (`placement.lock_dir`, when set, wins). The services place themselves among the GPUs this
+    process was given (its CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES, which they inherit), never others."""
     lock_dir = cfg.placement.lock_dir
-    if lock_dir is None and cfg.trainer.device != "cpu" and visible:
+    if lock_dir is None and cfg.trainer.device != "cpu" and (visible_gpus() if visible is None else visible):
         lock_dir = str(Path(cfg.run_dir).resolve() / "gpu-locks")
     sampler_gpus = cfg.placement.sampler_gpus
     return {
@@ -116,6 +115,7 @@ def service_specs(
                     "DLC_SAMPLER__GPU_MEMORY_UTILIZATION": str(cfg.sampler.gpu_memory_utilization),
                     "DLC_SAMPLER__KV_CACHE_GIB": str(cfg.sampler.kv_cache_gib or "none"),
                     "DLC_SAMPLER__METRICS_PORT": "0",
+                    "DLC_SAMPLER__METRICS_HOST": "127.0.0.1",  # make run: everything on this host only
                     # On a small CPU machine: the engine on one core, the other left to the trainer.
                     "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -128,6 +128,7 @@ def service_specs(
             "trainer_svc",
             config_path,
             {**common, **client, "DLC_TRAINER__DEVICE": cfg.trainer.device, "DLC_TRAINER__METRICS_PORT": "0",
+             "DLC_TRAINER__METRICS_HOST": "127.0.0.1",
              "DLC_TRAINER__PARALLEL__DP_SHARD": str(cfg.trainer.parallel.dp_shard)},
         )
     )

@@ -35,6 +35,16 @@ REDIS = "redis"
 """The embedded redis-server's name in `restarts` and in the progress lines (compose's service name)."""
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by this user only (0600): created with that mode, so it is never readable
+    by others even briefly, and a file left with other bits by an older run is tightened before it is rewritten."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)  # before the old contents go, so no new contents are written under the old mode
+    os.ftruncate(fd, 0)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
 class LocalStack:
     """redis-server (embedded unless `redis.url` is set), coordinator, samplers and trainer as processes.
 
@@ -80,7 +90,7 @@ class LocalStack:
         logger.info("model: %s", self.cfg.model.name_or_path)
         model_dir = resolve_model(self.cfg.model, self.cfg.task)
         config_path = self.run_dir / "config.toml"
-        config_path.write_text(dump_toml(self.cfg))
+        write_private(config_path, dump_toml(self.cfg))  # holds the token (and a redis.url's password)
         redis_urls = None
         if self.redis_url is None:  # each service logs in as its own user (rlcommon/redis_acl.py)
             self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis",

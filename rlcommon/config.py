@@ -191,6 +191,8 @@ class SamplerConfig(StrictModel):
     """Base seed; per-request seeds derive from it and the task id."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port (None = off, 0 = pick a free one)."""
+    metrics_host: str = "127.0.0.1"
+    """Host the Prometheus port binds (compose: 0.0.0.0 inside the container, for Prometheus on its network)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Heartbeat interval to the coordinator."""
     weights_dir: str | None = None
@@ -295,6 +297,8 @@ class TrainerConfig(StrictModel):
     """How many checkpoints to keep."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port (None = off, 0 = pick a free one)."""
+    metrics_host: str = "127.0.0.1"
+    """Host the Prometheus port binds (compose: 0.0.0.0 inside the container, for Prometheus on its network)."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     """Constants of the corrections."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -380,7 +384,7 @@ class CoordinatorConfig(StrictModel):
     tls_server_name: str | None = None
     """Clients: the name checked against the certificate when the dialed address is not in it."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
-    """Prometheus port (None = off, 0 = pick a free one)."""
+    """Prometheus port (None = off, 0 = pick a free one); binds `host`, as the gRPC server does."""
     dashboard_port: int | None = Field(None, ge=0, le=65535)
     """The run dashboard's HTTP port (coordinator/dashboard.py: a read-only page on the coordinator's host, its
     API behind dashboard_token or auth_token when either is set, HTTPS with tls_cert/tls_key); None = off, 0 = pick
@@ -440,9 +444,10 @@ class PlacementConfig(StrictModel):
     lock_dir: str | None = None
     """Folder shared by a node's sampler replicas where each claims a GPU by a lock file; None: no placement."""
     trainer_gpus: list[int] = Field(default_factory=lambda: [0])
-    """GPU ids (nvidia-smi's) the trainer uses."""
+    """Positions (from 0) in the list of GPUs the service was given (CUDA_VISIBLE_DEVICES, else
+    NVIDIA_VISIBLE_DEVICES, else /dev/nvidia<N>) that the trainer uses; where every GPU is visible, nvidia-smi's ids."""
     sampler_gpus: list[int] | None = None
-    """GPU ids the sampler replicas share out, one each; None: every visible GPU but the trainer's."""
+    """Positions (as trainer_gpus) the sampler replicas share out, one each; None: every visible GPU but the trainer's."""
 
     _ids = field_validator("trainer_gpus", "sampler_gpus", mode="before")(_gpu_ids)
 

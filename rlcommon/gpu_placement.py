@@ -3,17 +3,31 @@
 Docker does not hand out devices across the replicas of a scaled service: with a device reservation of
 `count: 1`, every `sampler` replica and the trainer get the same first GPU (docker/compose#11863,
 NVIDIA/nvidia-container-toolkit#521). So the GPU compose file gives every container the node's GPUs and the
-services place themselves before CUDA starts:
+services place themselves before CUDA starts.
 
-- the trainer takes `placement.trainer_gpus` (default GPU 0);
+The GPUs a service may use are the list it was given (`visible_gpus`), and placement hands out positions in
+that list, never GPUs outside it:
+
+- `CUDA_VISIBLE_DEVICES` when set (Slurm, a shared node): its entries as given, so with `2,3` the services get
+  `2` and `3`, a subset of the parent's list read with the parent's `CUDA_DEVICE_ORDER`;
+- else `NVIDIA_VISIBLE_DEVICES` when it lists GPUs: inside a container the runtime shows CUDA only those, and
+  numbers them from 0 in PCI bus order (nvidia-smi's order), so indices `2,3` give positions `0` and `1`;
+- else (`all`, or neither variable) the `/dev/nvidia<N>` device nodes, as positions 0.. (CUDA's numbering).
+
+GPU UUIDs (`GPU-8932f937-...`) are handed out as given (CUDA takes them in `CUDA_VISIBLE_DEVICES`). `''`,
+`none`, `void` and `NoDevFiles` mean no GPU. MIG devices are refused (`MIG-...`, or `<gpu>:<instance>`):
+CUDA uses only the first MIG device a process lists, so they cannot be shared out among services; each
+service needs its own MIG device given explicitly.
+
+- the trainer takes `placement.trainer_gpus` (positions; default the first GPU);
 - each sampler replica claims one GPU of the sampler pool (`placement.sampler_gpus`, default: every visible
-  GPU that is not the trainer's) by taking an exclusive `flock` on `<lock_dir>/gpu-<id>.lock`, a folder in a
-  volume the node's replicas share. The kernel releases the lock when the process dies, so a replica that
+  GPU that is not the trainer's) by taking an exclusive `flock` on `<lock_dir>/gpu-<entry>.lock`, a folder in
+  a volume the node's replicas share. The kernel releases the lock when the process dies, so a replica that
   compose restarts claims a GPU again, and a replica beyond the pool's size fails at start-up with an error
   that says so.
 
-Then `CUDA_VISIBLE_DEVICES` names the chosen GPUs (with `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so ids are
-nvidia-smi's). The choice is pure (`sampler_pool`); `claim_gpu` is the lock.
+Then `CUDA_VISIBLE_DEVICES` names the chosen entries. The choices are pure (`visible_gpus`, `sampler_pool`,
+`cuda_env`); `claim_gpu` is the lock.
 """
 
 from __future__ import annotations
@@ -22,37 +36,93 @@ import fcntl
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlcommon.config import ConfigError
 
 
 class PlacementError(ConfigError):
-    """No GPU can be placed (an empty or overlapping pool, or every GPU of the pool held): a service exits 2."""
+    """No GPU can be placed (an empty or overlapping pool, a refused device list, or every GPU of the pool
+    held): a service exits 2."""
 
 
-def visible_gpus(environ: dict[str, str] | None = None, dev: str | Path = "/dev") -> list[int]:
-    """The GPU ids this container can use: `NVIDIA_VISIBLE_DEVICES` when it lists ids, else the
-    `/dev/nvidia<N>` device nodes (what the NVIDIA runtime mounts for `count: all`)."""
+NO_GPU = frozenset({"", "none", "void", "nodevfiles"})
+"""Values of CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES that mean no GPU (compared lower-cased)."""
+_INDEX = re.compile(r"\d+")
+_UUID = re.compile(r"GPU-[0-9A-Fa-f-]+")
+_MIG = re.compile(r"MIG-.*|\d+:\d+")
+
+
+@dataclass(frozen=True)
+class VisibleGpus:
+    """The GPUs a process may use: `devices[i]` is what `CUDA_VISIBLE_DEVICES` names position i by; `source`
+    says where the list came from (for messages, and whether `CUDA_DEVICE_ORDER` must be set)."""
+
+    source: str
+    devices: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.devices)
+
+
+def _entries(name: str, value: str) -> list[str]:
+    """The entries of a device list variable; refuses MIG devices and anything but indices and UUIDs."""
+    entries = [x.strip() for x in value.split(",")]
+    mig = [x for x in entries if _MIG.fullmatch(x)]
+    if mig:
+        raise PlacementError(
+            f"{name}={value!r} lists MIG device(s) {mig}: CUDA uses only the first MIG device a process is given, "
+            "so placement cannot share them out among the trainer and the samplers; give each service its own "
+            "MIG device explicitly (CUDA_VISIBLE_DEVICES=MIG-<uuid> per service, with placement.lock_dir unset)"
+        )
+    bad = [x for x in entries if not (_INDEX.fullmatch(x) or _UUID.fullmatch(x))]
+    if bad:
+        raise PlacementError(
+            f"{name}={value!r}: {bad} are not GPU indices or UUIDs (GPU-...); list GPUs like 0,1 or "
+            "GPU-<uuid>, or none for no GPU"
+        )
+    if len(set(entries)) != len(entries):
+        raise PlacementError(f"{name}={value!r} lists a GPU twice")
+    return entries
+
+
+def visible_gpus(environ: dict[str, str] | None = None, dev: str | Path = "/dev") -> VisibleGpus:
+    """The GPUs this process may use, in the order placement hands them out (see the module docstring):
+    `CUDA_VISIBLE_DEVICES` if set, else `NVIDIA_VISIBLE_DEVICES` if set and not `all`, else the `/dev/nvidia<N>`
+    device nodes. Raises PlacementError for MIG devices and malformed lists."""
     environ = os.environ if environ is None else environ
-    listed = environ.get("NVIDIA_VISIBLE_DEVICES", "")
-    if re.fullmatch(r"\d+(,\d+)*", listed):
-        return sorted({int(x) for x in listed.split(",")})
-    return sorted(int(m.group(1)) for p in Path(dev).glob("nvidia*") if (m := re.fullmatch(r"nvidia(\d+)", p.name)))
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        value = environ.get(name)
+        if value is None or (name == "NVIDIA_VISIBLE_DEVICES" and value.strip().lower() == "all"):
+            continue
+        if value.strip().lower() in NO_GPU:
+            return VisibleGpus(name)
+        entries = _entries(name, value)
+        if name == "CUDA_VISIBLE_DEVICES":
+            return VisibleGpus(name, entries)  # the parent's entries, read as the parent reads them
+        if all(_INDEX.fullmatch(x) for x in entries):  # the container's CUDA numbers them 0.. in bus order
+            return VisibleGpus(name, [str(i) for i in range(len(entries))])
+        if all(_UUID.fullmatch(x) for x in entries):
+            return VisibleGpus(name, entries)
+        raise PlacementError(
+            f"{name}={value!r} mixes GPU indices and UUIDs: CUDA's numbering of them is unknown; list one kind"
+        )
+    # CUDA numbers the GPUs it sees from 0 in bus order, whatever their device nodes' numbers (a container
+    # given GPUs 2 and 3 has /dev/nvidia2 and /dev/nvidia3, which CUDA calls 0 and 1).
+    nodes = [p for p in Path(dev).glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)]
+    return VisibleGpus(f"{dev}/nvidia<N>", [str(i) for i in range(len(nodes))])
 
 
-def sampler_pool(visible: list[int], trainer_gpus: list[int], sampler_gpus: list[int] | None) -> list[int]:
-    """The GPUs the sampler replicas share out: `sampler_gpus` when given, else every visible GPU but the
-    trainer's. Raises PlacementError when the pool is empty, overlaps the trainer's, or names a GPU that is
-    not visible."""
+def sampler_pool(visible: VisibleGpus, trainer_gpus: list[int], sampler_gpus: list[int] | None) -> list[str]:
+    """The GPUs (entries of `visible`) the sampler replicas share out: positions `sampler_gpus` when given,
+    else every visible GPU but the trainer's. Raises PlacementError when the pool is empty, overlaps the
+    trainer's, or names a position past the visible list."""
     if sampler_gpus is None:
-        pool = [g for g in visible if g not in trainer_gpus]
+        pool = [i for i in range(len(visible.devices)) if i not in trainer_gpus]
     else:
         pool = list(dict.fromkeys(sampler_gpus))
-        missing = [g for g in pool if g not in visible]
-        if missing:
-            raise PlacementError(f"placement.sampler_gpus names GPU(s) {missing} this container does not see {visible}")
+        _check_positions("placement.sampler_gpus", pool, visible)
         shared = [g for g in pool if g in trainer_gpus]
         if shared:
             raise PlacementError(
@@ -61,17 +131,32 @@ def sampler_pool(visible: list[int], trainer_gpus: list[int], sampler_gpus: list
             )
     if not pool:
         raise PlacementError(
-            f"no GPU left for samplers: visible {visible}, trainer {trainer_gpus}; give the node more GPUs or set "
-            "placement.sampler_gpus"
+            f"no GPU left for samplers: {visible.source} gives {visible.devices}, the trainer takes positions "
+            f"{trainer_gpus}; give the node more GPUs or set placement.sampler_gpus"
         )
-    return pool
+    return [visible.devices[i] for i in pool]
+
+
+def trainer_devices(visible: VisibleGpus, trainer_gpus: list[int]) -> list[str]:
+    """The entries of `visible` at positions `trainer_gpus`; PlacementError when there are not that many."""
+    _check_positions("placement.trainer_gpus", trainer_gpus, visible)
+    return [visible.devices[i] for i in trainer_gpus]
+
+
+def _check_positions(setting: str, positions: list[int], visible: VisibleGpus) -> None:
+    missing = [g for g in positions if g >= len(visible.devices)]
+    if missing:
+        raise PlacementError(
+            f"{setting} names position(s) {missing} of the visible GPUs, but {visible.source} gives "
+            f"{len(visible.devices)} ({visible.devices or 'no GPU'}); positions count from 0 in that list"
+        )
 
 
 @dataclass
 class Claim:
     """A GPU held by this process for as long as `fd` stays open (closing it, or dying, releases it)."""
 
-    gpu: int
+    gpu: str
     fd: int
     path: Path
 
@@ -79,13 +164,16 @@ class Claim:
         os.close(self.fd)
 
 
-def claim_gpu(pool: list[int], lock_dir: str | Path, *, owner: str | None = None) -> Claim:
-    """Take the first GPU of `pool` no other process holds, by an exclusive non-blocking `flock` on its lock
-    file; writes `owner` (default hostname:pid) into the file for people reading the folder."""
+def claim_gpu(pool: list[str], lock_dir: str | Path, *, owner: str | None = None) -> Claim:
+    """Take the first GPU of `pool` (entries: indices or UUIDs) no other process holds, by an exclusive
+    non-blocking `flock` on its lock file; writes `owner` (default hostname:pid) into the file for people
+    reading the folder."""
     lock_dir = Path(lock_dir)
     lock_dir.mkdir(parents=True, exist_ok=True)
     owner = owner or f"{socket.gethostname()}:{os.getpid()}"
     for gpu in pool:
+        if not (_INDEX.fullmatch(gpu) or _UUID.fullmatch(gpu)):
+            raise PlacementError(f"GPU {gpu!r} is not an index or a GPU UUID")  # never a path outside lock_dir
         path = lock_dir / f"gpu-{gpu}.lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
@@ -102,21 +190,30 @@ def claim_gpu(pool: list[int], lock_dir: str | Path, *, owner: str | None = None
     )
 
 
-def cuda_env(gpus: list[int]) -> dict[str, str]:
-    """The environment that makes CUDA see exactly `gpus`, numbered as nvidia-smi numbers them."""
-    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+def cuda_env(gpus: list[str], visible: VisibleGpus) -> dict[str, str]:
+    """The environment that makes CUDA see exactly `gpus` (entries of `visible`). Entries taken from the
+    parent's CUDA_VISIBLE_DEVICES keep the parent's CUDA_DEVICE_ORDER; positions need PCI bus order (the
+    order in which the runtime and nvidia-smi list GPUs)."""
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    if visible.source != "CUDA_VISIBLE_DEVICES":
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
 
 
-def place(service: str, placement, environ: dict[str, str] | None = None) -> Claim | None:
-    """Place `service` ("trainer" or "sampler") per `placement` (a PlacementConfig) by setting the CUDA
-    variables in `environ` (default os.environ); None when placement is off (`lock_dir` unset)."""
+def place(service: str, placement, environ: dict[str, str] | None = None, dev: str | Path = "/dev") -> Claim | None:
+    """Place `service` ("trainer" or "sampler") per `placement` (a PlacementConfig) among the GPUs `environ`
+    (default os.environ) gives, by setting the CUDA variables in `environ`; None when placement is off
+    (`lock_dir` unset)."""
     environ = os.environ if environ is None else environ
     if placement.lock_dir is None:
         return None
+    visible = visible_gpus(environ, dev)
+    if not visible:
+        raise PlacementError(f"{visible.source} gives no GPU, but placement is on (placement.lock_dir is set) and "
+                             f"the {service} needs one; set placement.lock_dir = none for a CPU run")
     if service == "trainer":
-        environ.update(cuda_env(placement.trainer_gpus))
+        environ.update(cuda_env(trainer_devices(visible, placement.trainer_gpus), visible))
         return None
-    pool = sampler_pool(visible_gpus(environ), placement.trainer_gpus, placement.sampler_gpus)
-    claim = claim_gpu(pool, placement.lock_dir)
-    environ.update(cuda_env([claim.gpu]))
+    claim = claim_gpu(sampler_pool(visible, placement.trainer_gpus, placement.sampler_gpus), placement.lock_dir)
+    environ.update(cuda_env([claim.gpu], visible))
     return claim

@@ -44,7 +44,8 @@ def probe(module: str, cfg: RunConfig, *, timeout_s: float = 3.0) -> str | None:
     section = cfg.trainer if module == "trainer_svc" else cfg.sampler
     if section.metrics_port is None:
         return None
-    url = f"http://127.0.0.1:{section.metrics_port}/metrics"
+    host = "127.0.0.1" if section.metrics_host in ("0.0.0.0", "::", "") else section.metrics_host
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{section.metrics_port}/metrics"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
             return None if reply.status == 200 else f"{url} answered {reply.status}"

@@ -21,15 +21,16 @@ _GAUGES: dict[str, Any] = {}  # one Prometheus gauge per full name per process (
 _GAUGES_LOCK = threading.Lock()
 
 
-def start_metrics_server(port: int | None) -> int | None:
-    """Serve Prometheus metrics on `port` (0 = a free one); returns the bound port, None when off."""
+def start_metrics_server(port: int | None, host: str) -> int | None:
+    """Serve Prometheus metrics on `host`:`port` (0 = a free one); returns the bound port, None when off.
+    `host` is the service's configured one (127.0.0.1 unless a container's network must reach it)."""
     if port is None:
         return None
     from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(port, addr="0.0.0.0")
+    server, _thread = start_http_server(port, addr=host)
     bound = server.server_address[1]
-    logger.info("prometheus metrics on :%d/metrics", bound)
+    logger.info("prometheus metrics on %s:%d/metrics", host, bound)
     return bound
 
 

@@ -2,9 +2,12 @@
 
 | user | keys | may write |
 |---|---|---|
-| `sampler` | tasks, rollouts, deadletter (and their `:counts`) | XADD rollouts and dead letters; XACK/XCLAIM tasks; XTRIM acked rollouts |
-| `trainer` | rollouts, deadletter (and their `:counts`), tokens | XACK/XCLAIM rollouts; XADD dead letters; XADD tokens (dashboard) |
-| `coordinator` | every key of the run, `dlc:<run_id>:*` | its state (`coord:*`); XADD/XTRIM tasks |
+| `sampler` | tasks, rollouts, deadletter (and their `:counts`) | XADD rollouts and dead letters; XACK/XCLAIM tasks |
+| `trainer` | rollouts, deadletter (and their `:counts`), tokens | XACK/XCLAIM/XTRIM rollouts, their group; XADD dead letters; XADD tokens (dashboard) |
+| `coordinator` | every key of the run, `dlc:<run_id>:*` | its state (`coord:*`); XADD/XTRIM tasks, the samplers' group |
+
+No user may run Lua, and samplers may neither trim a stream (they could drop rollouts the trainer has not
+read) nor create or change consumer groups (the coordinator creates theirs on tasks).
 | `admin` | every key | everything (operators, the launcher, the tests); only the embedded server has it |
 
 The default user is disabled (`off`): a client without credentials gets NOAUTH, and nobody can log in as it.
@@ -29,11 +32,19 @@ __all__ = ["ADMIN_USER", "SERVICE_USERS", "acl_rules", "default_user_rules", "se
 ADMIN_USER = "admin"
 SERVICE_USERS = ("coordinator", "trainer", "sampler")
 
-# What every bus client sends: the Lua scripts (EVALSHA; SCRIPT LOAD when Redis does not have them yet).
-_BASE = ("resetchannels", "-@all", "+evalsha", "+script|load")
-# A StreamConsumer's reads and its consumer-group bookkeeping (the acked counters of `<stream>:counts`).
-_CONSUMER = ("+xreadgroup", "+xpending", "+xrange", "+xlen", "+hget", "+hset", "+hincrby", "+xgroup|create")
-# StreamProducer.queue_depth / trim_acked: the snapshot script and XPENDING.
+# Every user: no command unless listed, no channels. No Lua (EVAL, EVALSHA, SCRIPT, FUNCTION, FCALL): a script
+# that loops makes Redis busy for every client, and no user may SCRIPT KILL; the bus uses plain commands.
+_BASE = ("resetchannels", "-@all")
+# rlcommon/bus.py's consistent reads (`_snapshot`, `ensure_group`): WATCH the stream and its counters, then a
+# MULTI/EXEC that fails if either changed (redis-py sends UNWATCH when it gives a WATCH up).
+_WATCH = ("+watch", "+unwatch", "+multi", "+exec")
+# A StreamConsumer's reads and acked counters: XREADGROUP (read), XPENDING (own pending, idle entries to
+# claim), XRANGE (an entry to dead-letter), XLEN, HGET/HSET/HINCRBY (`<stream>:counts`).
+_CONSUMER = ("+xreadgroup", "+xpending", "+xrange", "+xlen", "+hget", "+hset", "+hincrby")
+# Creating the consumer group it reads (`ensure_group`: EXISTS, XINFO GROUPS, XLEN, HGET, then XGROUP CREATE).
+_CREATE_GROUP = ("+exists", "+xinfo|groups", "+xgroup|create")
+# StreamProducer.queue_depth / trim: the snapshot (EXISTS, XREVRANGE, XINFO GROUPS, HGETALL, XLEN; HSET heals
+# a drifted counter) and XPENDING (the oldest entry a group has not acked).
 _DEPTH = ("+exists", "+xrevrange", "+xinfo|groups", "+xlen", "+hget", "+hset", "+hgetall", "+xpending")
 
 
@@ -53,18 +64,19 @@ def acl_rules(user: str, run_id: str) -> list[str]:
     """ACL rules of service `user` for run `run_id`, one token each (ACL SETUSER syntax, without `on` and
     the password)."""
     tasks, rollouts, deadletter = (stream_key(run_id, name) for name in ("tasks", "rollouts", "deadletter"))
-    if user == "sampler":  # consumes tasks, produces rollouts (with backpressure and trimming)
+    if user == "sampler":  # consumes tasks (the coordinator creates their group), produces rollouts (backpressure)
         keys = _stream_keys(run_id, "tasks", "rollouts", "deadletter")
-        commands = [*_CONSUMER, *_DEPTH, f"+xack|{tasks}", f"+xclaim|{tasks}", f"+xadd|{rollouts}",
-                    f"+xadd|{deadletter}", f"+xtrim|{rollouts}"]
-    elif user == "trainer":  # consumes rollouts; keeps the last batches' per-token statistics (dashboard)
+        commands = [*_CONSUMER, *_DEPTH, *_WATCH, f"+xack|{tasks}", f"+xclaim|{tasks}", f"+xadd|{rollouts}",
+                    f"+xadd|{deadletter}"]
+    elif user == "trainer":  # consumes and trims rollouts; keeps the last batches' per-token statistics (dashboard)
         tokens = stream_key(run_id, "tokens")
         keys = [*_stream_keys(run_id, "rollouts", "deadletter"), f"~{tokens}"]
-        commands = [*_CONSUMER, f"+xack|{rollouts}", f"+xclaim|{rollouts}", f"+xadd|{deadletter}", f"+xadd|{tokens}"]
-    elif user == "coordinator":  # its state (coordinator/state.py), produces tasks, reads the queue depths
+        commands = [*_CONSUMER, *_CREATE_GROUP, *_DEPTH, *_WATCH, f"+xack|{rollouts}", f"+xclaim|{rollouts}",
+                    f"+xtrim|{rollouts}", f"+xadd|{deadletter}", f"+xadd|{tokens}"]
+    elif user == "coordinator":  # its state (coordinator/state.py), produces tasks (and their group), reads depths
         keys = [f"~dlc:{run_id}:*"]
-        commands = [*_DEPTH, "+ping", "+get", "+set", "+del", "+pexpire", "+pttl", "+hdel", "+hincrby",
-                    "+lrange", "+rpush", "+ltrim", "+multi", "+exec", "+xrange", f"+xadd|{tasks}", f"+xtrim|{tasks}"]
+        commands = [*_DEPTH, *_WATCH, *_CREATE_GROUP, "+ping", "+get", "+set", "+del", "+pexpire", "+pttl", "+hdel",
+                    "+hincrby", "+lrange", "+rpush", "+ltrim", "+xrange", f"+xadd|{tasks}", f"+xtrim|{tasks}"]
     else:
         raise ValueError(f"unknown redis user {user!r}: one of {', '.join(SERVICE_USERS)}")
     return _unique([*keys, *_BASE, *commands])

@@ -40,7 +40,7 @@ def run(cfg: RunConfig) -> int:
 
     claim = place("sampler", cfg.placement)  # before vLLM starts CUDA; held until the process exits
     if claim is not None:
-        logger.info("placement: this replica uses GPU %d (lock %s)", claim.gpu, claim.path)
+        logger.info("placement: this replica uses GPU %s (lock %s)", claim.gpu, claim.path)
     return asyncio.run(serve(cfg))
 
 

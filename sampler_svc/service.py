@@ -76,11 +76,13 @@ class SamplerService:
         self.limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.conn = RedisConnection.from_config(cfg.redis)
         self.consumer = StreamConsumer.from_config(
-            self.conn, cfg.bus, "tasks", group=TASKS_GROUP, consumer=self.sampler_id, expected=Task, limits=self.limits
+            self.conn, cfg.bus, "tasks", group=TASKS_GROUP, consumer=self.sampler_id, expected=Task, limits=self.limits,
+            create_group=False,  # the coordinator creates it: a sampler may not (rlcommon/redis_acl.py)
         )
-        self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts")
+        # The trainer trims the rollouts it acked: a sampler may not XTRIM (it could drop unread rollouts).
+        self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts", trim=False)
         self.coordinator = AsyncCoordinatorClient.from_config(cfg.coordinator)
-        start_metrics_server(cfg.sampler.metrics_port)
+        start_metrics_server(cfg.sampler.metrics_port, cfg.sampler.metrics_host)
         self.metrics = MetricsSink(service="sampler")
         await self.register()
         if self.wanted_update is not None:  # published before this sampler started: loaded before any task

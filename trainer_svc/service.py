@@ -31,7 +31,15 @@ import grpc
 import torch
 
 from protos import coordinator_pb2 as pb
-from rlcommon.bus import DATA_FIELD, ROLLOUTS_GROUP, Delivery, RedisConnection, StreamConsumer, stream_key
+from rlcommon.bus import (
+    DATA_FIELD,
+    ROLLOUTS_GROUP,
+    Delivery,
+    RedisConnection,
+    StreamConsumer,
+    StreamProducer,
+    stream_key,
+)
 from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
@@ -178,9 +186,11 @@ class TrainerService:
             self.conn, cfg.bus, "rollouts", group=ROLLOUTS_GROUP, consumer=f"trainer-{socket.gethostname()}",
             expected=Rollout, limits=limits,
         )
+        # Trims the rollouts it acked past bus.max_stream_len (samplers may not XTRIM: rlcommon/redis_acl.py).
+        self.rollouts = StreamProducer.from_config(self.conn, cfg.bus, "rollouts", backpressure=False)
         self.coordinator = CoordinatorClient.from_config(cfg.coordinator)
         self.refresh_status()
-        start_metrics_server(cfg.trainer.metrics_port)
+        start_metrics_server(cfg.trainer.metrics_port, cfg.trainer.metrics_host)
         metrics_path = self.run_dir / "metrics.jsonl"
         dropped = truncate_metrics(metrics_path, before_step=self.train_step.step)
         if dropped:
@@ -509,6 +519,7 @@ class TrainerService:
         if self.checkpoint_acks:
             self.consumer.ack(self.checkpoint_acks)
             self.checkpoint_acks = []
+            self.rollouts.trim_if_long()
         self.write_state()
 
     def release_old_versions(self) -> None:

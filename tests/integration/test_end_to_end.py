@@ -30,13 +30,15 @@ def dlcctl(stack, *args: str) -> dict:
 
 
 def scrape(log_path: Path) -> str:
-    """GET the Prometheus page of a service, whose port (picked free) the service logged at start-up."""
+    """GET the Prometheus page of a service, whose port (picked free) the service logged at start-up; make run
+    keeps every metrics server on 127.0.0.1, as it keeps the coordinator's gRPC."""
     import re
     import urllib.request
 
-    match = re.search(r"prometheus metrics on :(\d+)/metrics", log_path.read_text())
+    match = re.search(r"prometheus metrics on (\S+):(\d+)/metrics", log_path.read_text())
     assert match, f"{log_path.name}: no metrics port logged"
-    with urllib.request.urlopen(f"http://127.0.0.1:{match.group(1)}/metrics", timeout=5) as reply:
+    assert match.group(1) == "127.0.0.1", f"{log_path.name}: metrics bound to {match.group(1)}"
+    with urllib.request.urlopen(f"http://127.0.0.1:{match.group(2)}/metrics", timeout=5) as reply:
         return reply.read().decode()
 
 
@@ -175,6 +177,8 @@ def test_each_service_used_its_own_redis_user_and_no_password_leaked(finished_ru
     run_dir = finished_run["run_dir"]
     texts = [path for path in run_dir.rglob("*") if path.is_file() and path.suffix in (".log", ".toml", ".json", ".jsonl", ".acl")]
     assert run_dir / "config.toml" in texts and run_dir / "redis/users.acl" in texts
+    for secret in ("config.toml", "redis/users.acl"):  # the token, a redis.url's password; the users' hashes
+        assert (run_dir / secret).stat().st_mode & 0o777 == 0o600, f"{secret} is readable by others"
     for path in texts:
         content = path.read_bytes()
         assert not any(password in content for password in passwords), f"{path} holds a redis password"

@@ -240,6 +240,24 @@ def test_redis_requires_auth_with_the_rules_of_redis_acl():
     assert "--user coordinator" in BASE["services"]["redis"]["healthcheck"]["test"][1]
 
 
+def test_the_redis_healthcheck_takes_its_password_from_the_environment_not_its_command_line():
+    """A command line is readable by every user of the host (ps): the password comes from REDISCLI_AUTH."""
+    redis_service = BASE["services"]["redis"]
+    test = " ".join(redis_service["healthcheck"]["test"])
+    assert not re.search(r"--pass\b|(^|\s)-a(\s|$)|\$\{?DLC_REDIS_\w*PASSWORD", test), test
+    assert REQUIRED.fullmatch(redis_service["environment"]["REDISCLI_AUTH"]).group(1) == "DLC_REDIS_COORDINATOR_PASSWORD"
+
+
+def redis_healthcheck(port: int) -> str:
+    """The redis service's healthcheck shell command, with the redis-cli beside the local redis-server, on `port`."""
+    from rlcommon.embedded_redis import find_redis_server
+
+    kind, command = BASE["services"]["redis"]["healthcheck"]["test"]
+    cli = Path(find_redis_server()).with_name("redis-cli")
+    assert kind == "CMD-SHELL" and command.startswith("redis-cli ") and cli.exists()
+    return f"{cli} -p {port} {substitute(command).removeprefix('redis-cli ')}"
+
+
 def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rules(tmp_path):
     """Run the redis service's command line (its interpolated `--user` directives) on the local redis-server."""
     import subprocess
@@ -270,6 +288,12 @@ def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rul
             sampler.xadd(stream_key("default", "tasks"), {b"d": b"forged"})
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, protocol=2).ping()
+        # The healthcheck, as the container runs it: healthy with the container's REDISCLI_AUTH, not without.
+        check = redis_healthcheck(port)
+        env = {**os.environ, **{k: substitute(v) for k, v in BASE["services"]["redis"]["environment"].items()}}
+        assert subprocess.run(check, shell=True, env=env, timeout=30).returncode == 0
+        env.pop("REDISCLI_AUTH")
+        assert subprocess.run(check, shell=True, env=env, timeout=30).returncode != 0
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -49,6 +49,17 @@ def test_a_trainer_or_sampler_is_healthy_while_its_metrics_answer(metrics_server
     assert problem.startswith("http://127.0.0.1:1/metrics: ")
 
 
+@pytest.mark.parametrize(("bind", "metrics_host"), [("0.0.0.0", "0.0.0.0"), ("127.0.0.3", "127.0.0.3")])
+def test_the_probe_reaches_the_metrics_host_the_service_binds(monkeypatch, bind, metrics_host):
+    """compose: metrics_host 0.0.0.0 (reached on loopback); a service bound to one address: that address."""
+    from rlcommon.metrics import start_metrics_server
+
+    port = start_metrics_server(0, bind)
+    monkeypatch.setenv("DLC_SAMPLER__METRICS_PORT", str(port))
+    monkeypatch.setenv("DLC_SAMPLER__METRICS_HOST", metrics_host)
+    assert probe("sampler_svc", config_from_args([])) is None
+
+
 def test_a_coordinator_that_does_not_listen_is_unhealthy():
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@ on small real processes that exit by themselves (no vLLM, no Redis)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from launcher import processes
 from launcher.processes import ServiceDied, ServiceSpec, restart_delay
 from launcher.run import build_summary
-from launcher.stack import LocalStack
+from launcher.stack import LocalStack, write_private
 from rlcommon.config import RunConfig
 
 
@@ -154,3 +155,19 @@ def test_the_dashboard_url_carries_a_read_only_token_never_the_write_token(tmp_p
     assert no_token.dashboard_token is None and no_token.dashboard_url.endswith(f":{no_token.dashboard_port}/")
     for stack in (configured, no_token):
         stack.client.close()
+
+
+def test_the_run_config_is_written_readable_by_its_owner_only(tmp_path):
+    """config.toml holds the coordinator's token (and a redis.url's password): 0600 from creation whatever the
+    umask, and a file an older run left world-readable is tightened when it is rewritten."""
+    old_umask = os.umask(0)
+    try:
+        write_private(tmp_path / "config.toml", "token = 'x'\n")
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "config.toml").stat().st_mode & 0o777 == 0o600
+    left = tmp_path / "left.toml"
+    left.write_text("a much longer old text\n")
+    left.chmod(0o644)
+    write_private(left, "new\n")
+    assert left.stat().st_mode & 0o777 == 0o600 and left.read_text() == "new\n"

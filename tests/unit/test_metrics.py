@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+from rlcommon.config import RunConfig
 from rlcommon.metrics import JsonlFollower, MetricsSink, read_jsonl, start_metrics_server
 
 
 def test_sink_writes_jsonl_tensorboard_and_prometheus(tmp_path):
-    port = start_metrics_server(0)
+    port = start_metrics_server(0, "127.0.0.1")
     sink = MetricsSink(service="unittest", jsonl_path=tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb")
     sink.log(0, {"ess_lag": 0.75, "reward_mean": 0.5, "publish": True, "sync_reason": "x", "step": 99.0})
     sink.log(1, {"ess_lag": float("nan"), "reward_mean": 0.6})
@@ -24,6 +27,34 @@ def test_sink_writes_jsonl_tensorboard_and_prometheus(tmp_path):
     assert "dlc_unittest_ess_lag 0.75" in page  # the NaN of step 1 did not overwrite it
     assert "dlc_unittest_reward_mean 0.6" in page
     assert "dlc_unittest_publish" not in page  # booleans and strings are not gauges
+
+
+def _listening_on(port: int) -> list[str]:
+    """The local addresses of the IPv4 sockets listening on `port` (the kernel's /proc/net/tcp)."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.append(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
+def test_the_metrics_server_binds_the_configured_host_only(host):
+    """Not 0.0.0.0: other hosts (and, with 127.0.0.2, even another loopback address) cannot reach it."""
+    port = start_metrics_server(0, host)
+    assert _listening_on(port) == [host]
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as reply:
+        assert reply.status == 200
+    if host != "127.0.0.1":
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def test_services_default_to_loopback_metrics():
+    cfg = RunConfig()
+    assert cfg.sampler.metrics_host == cfg.trainer.metrics_host == cfg.coordinator.host == "127.0.0.1"
 
 
 def test_read_jsonl_skips_a_torn_last_line(tmp_path):

@@ -45,7 +45,6 @@ def server(tmp_path_factory):
 def admin(server):
     client = redis.Redis.from_url(server.url)
     client.flushdb()
-    client.script_flush()  # each user's code path loads its scripts itself
     yield client
     client.close()
 
@@ -120,20 +119,25 @@ def test_the_acl_file_is_private_and_holds_no_password(server):
 
 def test_sampler_and_trainer_users_run_the_bus_code_paths(connect, admin):
     coordinator, sampler, trainer = connect("coordinator"), connect("sampler"), connect("trainer")
-    tasks = StreamProducer.from_config(coordinator, BUS, "tasks", backpressure=False)
+    # A sampler started before the coordinator waits for the group the coordinator creates (it may not).
+    s0 = StreamConsumer.from_config(sampler, BUS, "tasks", group="samplers", consumer="s0", expected=wire.Task,
+                                    create_group=False)
+    assert s0.read(count=10) == []
+    tasks = StreamProducer.from_config(coordinator, BUS, "tasks", backpressure=False, create_group=True)
     tasks.send_many([make_task(i) for i in range(4)])
     tasks.send_encoded([b"not msgpack"])
     # Two samplers: s0 takes every task and dies; s1 claims them once idle, dead-letters, rejects, acks.
-    s0 = StreamConsumer.from_config(sampler, BUS, "tasks", group="samplers", consumer="s0", expected=wire.Task)
     assert len(s0.read(count=10)) == 4  # the invalid task is dead-lettered at once
     time.sleep(0.15)
-    s1 = StreamConsumer.from_config(sampler, BUS, "tasks", group="samplers", consumer="s1", expected=wire.Task)
+    s1 = StreamConsumer.from_config(sampler, BUS, "tasks", group="samplers", consumer="s1", expected=wire.Task,
+                                    create_group=False)
     claimed = s1.read(count=10)
     assert sorted(d.message.task_id for d in claimed) == ["t0", "t1", "t2", "t3"]
     s1.reject(claimed[:1], reason="payload cannot be scored")
     assert tasks.trim() == 1  # t0 (acked by the rejection), up to the oldest pending task
-    producer = StreamProducer.from_config(sampler, BUS, "rollouts")
-    for round_ in range(60):  # past max_stream_len: the producer trims what the trainer acked
+    producer = StreamProducer.from_config(sampler, BUS, "rollouts", trim=False)
+    trimmer = StreamProducer.from_config(trainer, BUS, "rollouts", backpressure=False)
+    for round_ in range(60):  # past max_stream_len: the trainer trims what it acked
         assert producer.wait_for_room(timeout_s=5)
         producer.send_many([make_rollout(rollout_id=f"r{round_}-{i}") for i in range(2)])
         if round_ == 0:
@@ -142,6 +146,7 @@ def test_sampler_and_trainer_users_run_the_bus_code_paths(connect, admin):
         deliveries = reader.read(count=10)
         reader.reject(deliveries[:1], reason="weight_version 4 was never published")
         reader.ack([d.entry_id for d in deliveries[1:]])
+        trimmer.trim_if_long()
     assert s1.ack([d.entry_id for d in claimed[1:]]) == 3
     assert s1.pending_count() == 0 and reader.pending_count() == 0
     assert producer.queue_depth() == 0 and admin.xlen(ROLLOUTS) < 120
@@ -179,14 +184,16 @@ def test_the_coordinator_user_runs_the_coordinator(connect, admin):
 def test_the_sampler_user_is_refused_everything_else(connect, admin):
     sampler = connect("sampler")
     admin.xadd(ROLLOUTS, {b"d": b"x"})
-    script = sampler.client.script_load("return redis.call('XADD', KEYS[1], '*', 'd', 'forged')")
     refused(sampler, "XADD", TASKS, "*", "d", "forged")
-    refused(sampler, "EVALSHA", script, 1, TASKS)  # scripts run with the caller's rights
-    refused(sampler, "EVAL", "return 1", 0)
+    refused(sampler, "EVAL", "return redis.call('XADD', KEYS[1], '*', 'd', 'forged')", 1, TASKS)
     refused(sampler, "HSET", COORD_STATE, "published", "{}")
     refused(sampler, "SET", f"dlc:{RUN}:coord:lock", "me")
     refused(sampler, "DEL", TASKS)
     refused(sampler, "XTRIM", TASKS, "MAXLEN", 0)
+    refused(sampler, "XTRIM", ROLLOUTS, "MAXLEN", 0)  # would drop rollouts the trainer has not read
+    refused(sampler, "XGROUP", "CREATE", ROLLOUTS, "mine", "0")
+    refused(sampler, "XGROUP", "CREATE", TASKS, "samplers", "0", "MKSTREAM")
+    refused(sampler, "XGROUP", "SETID", TASKS, "samplers", "$")
     refused(sampler, "XACK", ROLLOUTS, "trainer", "0-1")
     refused(sampler, "XCLAIM", ROLLOUTS, "trainer", "s0", 0, "0-1")
     refused(sampler, "XGROUP", "DESTROY", TASKS, "samplers")
@@ -195,6 +202,32 @@ def test_the_sampler_user_is_refused_everything_else(connect, admin):
                     ("KEYS", "*"), ("ACL", "LIST"), ("SCRIPT", "FLUSH"), ("SHUTDOWN",), ("SWAPDB", 0, 1)):
         refused(sampler, *command)
     assert admin.xlen(TASKS) == 0 and admin.exists(COORD_STATE) == 0 and admin.xlen(ROLLOUTS) == 1
+
+
+LUA = [("EVAL", "while true do end", 0), ("EVAL_RO", "return 1", 0), ("EVALSHA", "a" * 40, 0),
+       ("SCRIPT", "LOAD", "while true do end"), ("SCRIPT", "FLUSH"), ("SCRIPT", "KILL"), ("SCRIPT", "EXISTS", "a"),
+       ("FUNCTION", "LOAD", "#!lua name=x\nredis.register_function('f', function() while true do end end)"),
+       ("FUNCTION", "LIST"), ("FCALL", "f", 0), ("FCALL_RO", "f", 0)]
+
+
+@pytest.mark.parametrize("user", SERVICE_USERS)
+def test_no_service_user_may_run_lua(connect, admin, user):
+    """A script that loops would make Redis busy for every client (and no user may SCRIPT KILL it)."""
+    conn = connect(user)
+    version = int(admin.info("server")["redis_version"].split(".")[0])
+    for command in LUA:
+        if command[0] in ("EVAL_RO", "FUNCTION", "FCALL", "FCALL_RO") and version < 7:
+            continue  # unknown commands before Redis 7
+        refused(conn, *command)
+    assert not any(rule in acl_rules(user, RUN) for rule in ("+@scripting", "+evalsha", "+eval", "+script|load"))
+
+
+def test_only_the_trainer_trims_rollouts_and_only_the_coordinator_creates_the_samplers_group(connect, admin):
+    trainer, coordinator = connect("trainer"), connect("coordinator")
+    refused(trainer, "XTRIM", TASKS, "MAXLEN", 0)
+    refused(trainer, "XGROUP", "CREATE", TASKS, "samplers", "0", "MKSTREAM")
+    refused(coordinator, "XTRIM", ROLLOUTS, "MAXLEN", 0)
+    assert admin.dbsize() == 0
 
 
 def test_the_trainer_and_coordinator_users_cannot_forge_what_they_do_not_write(connect, admin):
