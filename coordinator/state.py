@@ -270,26 +270,56 @@ class CoordinatorStore:
         return self._call(acquire)
 
     def renew_lock(self, owner: str, ttl_s: float) -> bool:
-        """Extend the lock if `owner` still holds it (False: it was lost)."""
+        """Extend the lock if `owner` still holds it (False: it was lost). WATCH, then MULTI/EXEC: a lock that
+        expires and is taken by another coordinator between the check and the extension is not extended."""
         ttl_ms = max(1, int(ttl_s * 1000))
+        key = self.key("lock")
 
-        def renew(r: Any) -> bool:
-            holder = r.get(self.key("lock"))
-            if holder is None:
-                return bool(r.set(self.key("lock"), owner, nx=True, px=ttl_ms))
-            if _text(holder) != owner:
+        def renew(pipe: Any) -> bool:
+            holder = pipe.get(key)
+            if holder is not None and _text(holder) != owner:
                 return False
-            return bool(r.pexpire(self.key("lock"), ttl_ms))
+            pipe.multi()
+            if holder is None:
+                pipe.set(key, owner, nx=True, px=ttl_ms)
+            else:
+                pipe.pexpire(key, ttl_ms)
+            return True
 
-        return self._call(renew)
+        return self._call(lambda r: self._owned_change(r, key, renew))
 
     def release_lock(self, owner: str) -> None:
-        """Delete the lock if `owner` holds it; one attempt (at shutdown an unreachable Redis is not waited
-        for: the lock expires by itself)."""
-        client = self._conn.client
-        holder = client.get(self.key("lock"))
-        if holder is not None and _text(holder) == owner:
-            client.delete(self.key("lock"))
+        """Delete the lock if `owner` holds it (WATCH, then MULTI/EXEC, as `renew_lock`); one attempt (at shutdown
+        an unreachable Redis is not waited for: the lock expires by itself)."""
+        key = self.key("lock")
+
+        def release(pipe: Any) -> bool:
+            holder = pipe.get(key)
+            if holder is None or _text(holder) != owner:
+                return False
+            pipe.multi()
+            pipe.delete(key)
+            return True
+
+        self._owned_change(self._conn.client, key, release)
+
+    @staticmethod
+    def _owned_change(client: Any, key: str, change: Callable[[Any], bool]) -> bool:
+        """`change(pipe)` on a pipeline that WATCHes `key`: it reads, decides and queues its writes after
+        `pipe.multi()`; the writes run only if `key` did not change meanwhile (else it is tried again). Returns
+        `change`'s decision, False when a queued write did not succeed."""
+        from redis.exceptions import WatchError
+
+        while True:
+            with client.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    decided = change(pipe)
+                    if not decided:
+                        return False
+                    return all(bool(result) for result in pipe.execute())
+                except WatchError:
+                    continue
 
     def lock_ttl_s(self) -> float:
         ms = self._call(lambda r: r.pttl(self.key("lock")))

@@ -181,6 +181,41 @@ def test_the_coordinator_user_runs_the_coordinator(connect, admin):
     assert store._conn.call(lambda client: client.ping())
 
 
+def test_the_run_lock_is_renewed_and_released_only_by_its_holder(connect, admin, monkeypatch):
+    """As the coordinator user (WATCH, MULTI/EXEC, no Lua). The race the WATCH closes: the lock expires and another
+    coordinator takes it between the holder's check and its extension (or delete); the holder then gives up."""
+    from redis.client import Pipeline
+
+    a = CoordinatorStore(connect("coordinator"), RUN)
+    b = CoordinatorStore(connect("coordinator"), RUN)
+    key = a.key("lock")
+    assert a.acquire_lock("a", ttl_s=30) is None and b.acquire_lock("b", ttl_s=30) == "a"
+    assert a.renew_lock("a", ttl_s=60) and 30 < a.lock_ttl_s() <= 60
+    assert not b.renew_lock("b", ttl_s=60)
+    b.release_lock("b")
+    assert admin.get(key) == b"a"
+
+    checked = Pipeline.get
+    for attempt in ("renew", "release"):
+        admin.set(key, "a", px=30_000)
+        takeovers = []
+
+        def check_then_lose_the_lock(pipe, name, takeovers=takeovers):
+            holder = checked(pipe, name)  # a's check: "a", its own
+            if name == key and not takeovers:  # right after it, a's lock expires and b takes it
+                takeovers.append(admin.set(key, "b", px=30_000))
+            return holder
+
+        monkeypatch.setattr(Pipeline, "get", check_then_lose_the_lock)
+        if attempt == "renew":
+            assert not a.renew_lock("a", ttl_s=60)
+        else:
+            a.release_lock("a")
+        monkeypatch.setattr(Pipeline, "get", checked)
+        assert takeovers == [True]
+        assert admin.get(key) == b"b" and admin.pttl(key) <= 30_000, attempt  # not extended for a, not deleted
+
+
 def test_the_sampler_user_is_refused_everything_else(connect, admin):
     sampler = connect("sampler")
     admin.xadd(ROLLOUTS, {b"d": b"x"})
