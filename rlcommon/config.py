@@ -196,7 +196,8 @@ class SamplerConfig(StrictModel):
     weights_dir: str | None = None
     """Where this sampler finds the published versions when it mounts the trainer's publish folder under another
     path (another node): a weight update's folder is looked up by its name (v000123) here. None: the path the
-    update names."""
+    update names, which must then be inside `<run_dir>/weights`. Either way the sampler loads only a `vNNNNNN`
+    folder directly inside this root, every link resolved (rlcommon/weight_store.py resolve_announced_version)."""
     reload_retry_s: float = Field(1.0, gt=0)
     """After a failed weight load, the first wait before loading again; doubled after each further failure, up to
     `reload_retry_max_s`. Until a load succeeds the sampler takes no task (it would sample with stale weights)
