@@ -174,7 +174,7 @@ class TrainerService:
         limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.consumer = StreamConsumer.from_config(
             self.conn, cfg.bus, "rollouts", group=ROLLOUTS_GROUP, consumer=f"trainer-{socket.gethostname()}",
-            expected=Rollout, limits=limits,
+            expected=Rollout, limits=limits, read_budget_bytes=cfg.trainer.read_budget_bytes,
         )
         self.coordinator = CoordinatorClient.from_config(cfg.coordinator)
         self.refresh_status()
