@@ -198,6 +198,8 @@ _ARRAY_OVERHEAD = 64
 _STR_MAX_BYTES = 5 + 4 * MAX_ID_CHARS  # str32 header + 4 UTF-8 bytes a character
 _TEXT_MAX_BYTES = 5 + 4 * MAX_TEXT_CHARS
 _SCALAR_MAX_BYTES = 9  # a float64 or an int64 with its type byte
+_SCALAR_NAMES = {"version": "an int", "tag": "a str", "id": "a str", "uint": "an int", "top_k": "an int",
+                 "float": "a float"}  # fmt: skip
 
 
 def field_max_bytes(name: str, limits: WireLimits) -> int:
@@ -457,7 +459,7 @@ def _skip(buf: memoryview, pos: int, end: int, where: str, levels: int, max_item
             raise _truncated()
         return pos + length
     if levels <= 0:
-        raise WireError(where, f"expected a scalar here, got a {_type_name(byte)}")
+        raise WireError(where, f"expected a scalar, got {_type_name(byte)}")
     if length > max_items:
         raise WireError(where, f"{length} entries exceeds {max_items}")
     if length > end - pos:  # every element takes at least one byte
@@ -497,7 +499,7 @@ def _top_level_spans(buf: memoryview, limits: WireLimits) -> dict[str, tuple[int
             raise _truncated()
         count, pos = unpack(buf, 1)[0], 1 + size
     else:
-        raise WireError("message", f"expected a msgpack map, got {_type_name(byte)}")
+        raise WireError("message", f"not valid msgpack for a message: expected a msgpack map, got {_type_name(byte)}")
     if count > len(_TOP_KINDS):
         raise WireError("message", f"{count} fields, more than any message has ({len(_TOP_KINDS)})")
     spans: dict[str, tuple[int, int]] = {}
@@ -511,6 +513,8 @@ def _top_level_spans(buf: memoryview, limits: WireLimits) -> dict[str, tuple[int
         if key in spans:
             raise WireError(key, "field given twice")
         levels, max_items = _NESTING.get(kind, (0, 0))
+        if levels == 0 and pos < end and _type_name(buf[pos]) in ("list", "dict"):  # a scalar field
+            raise WireError(key, f"expected {_SCALAR_NAMES[kind]}, got {_type_name(buf[pos])}")
         stop = _skip(buf, pos, end, key, levels, max_items)
         most = field_max_bytes(key, limits)
         if stop - pos > most:

@@ -632,7 +632,10 @@ def test_crafted_messages_name_the_field_and_why():
     assert "entries exceeds 256" in expect_error(_with(rollout, timings={str(i): 0 for i in range(300)}), "timings").reason
     shape = {"dtype": "<i4", "shape": [1, 1, 1, 1], "data": b""}
     assert "4 entries exceeds 3" in expect_error(_with(rollout, prompt_ids=shape), "prompt_ids.shape").reason
-    assert "got a list" in expect_error(_with(rollout, rollout_id=[]), "rollout_id").reason
+    assert expect_error(_with(rollout, rollout_id=[]), "rollout_id").reason == "expected a str, got list"
+    assert expect_error(_with(rollout, reward=[1.0]), "reward").reason == "expected a float, got list"
+    assert expect_error(b"\x91\x01", "message").reason.endswith("expected a msgpack map, got list")
+    assert expect_error(b"\x00\xffgarbage", "message").reason.startswith("not valid msgpack")
     too_long = array_field(np.ones(300), "<i4")
     err = expect_error(_with(rollout, prompt_ids=too_long), "prompt_ids", limits=WireLimits(max_prompt_tokens=100))
     assert "more than its largest legal value" in err.reason
