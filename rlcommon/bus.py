@@ -61,6 +61,7 @@ __all__ = [
     "RedisConnection",
     "StreamConsumer",
     "StreamProducer",
+    "read_count",
     "redacted_url",
     "stop_waiting_on_redis",
     "ensure_group",
@@ -621,6 +622,12 @@ class Delivery:
     delivery_count: int
 
 
+def read_count(wanted: int, *, budget_bytes: int, max_message_bytes: int) -> int:
+    """Entries one read may ask for: `wanted`, but no more than fit `budget_bytes` at `max_message_bytes` each
+    (every entry may be that large: Redis returns whole entries, before any is decoded); at least 1."""
+    return max(1, min(wanted, budget_bytes // max_message_bytes))
+
+
 class StreamConsumer:
     """A member `consumer` of consumer group `group` on `stream`, decoding wire messages."""
 
@@ -639,12 +646,15 @@ class StreamConsumer:
         deadletter_max_len: int = 10_000,
         max_deliveries: int | None = None,
         create_group: bool = True,
+        read_budget_bytes: int | None = None,
     ) -> None:
         """expected: the message type of this stream (others are dead-lettered); deadletter_stream:
         default `<prefix>:deadletter` beside the stream; max_deliveries: dead-letter an entry delivered
         more often than this (a message that keeps crashing its consumers); None = never. create_group:
         False for a consumer whose Redis user may not create groups: its reads return nothing until the
-        producer has created the group (`StreamProducer(create_groups=True)`)."""
+        producer has created the group (`StreamProducer(create_groups=True)`). read_budget_bytes: the most
+        bytes one `read` may bring in, counting each entry at limits.max_message_bytes (`read_count`); None = no
+        budget."""
         for label, value in (("group", group), ("consumer", consumer)):
             if not value or not isinstance(value, str):
                 raise ValueError(f"{label} must be a non-empty string, got {value!r}")
@@ -666,6 +676,7 @@ class StreamConsumer:
         )
         self.deadletter_max_len = deadletter_max_len
         self.max_deliveries = max_deliveries
+        self.read_budget_bytes = read_budget_bytes
         self._history_cursor: bytes | None = b"0"  # replay own pending entries first (restart)
         self._next_claim_check_s = 0.0
         self.create_group = create_group
@@ -685,6 +696,7 @@ class StreamConsumer:
         expected: type | None,
         limits: WireLimits | None = None,
         create_group: bool = True,
+        read_budget_bytes: int | None = None,
     ) -> StreamConsumer:
         """Consumer of stream `name` of run bus.run_id with bus's claim/block settings."""
         return cls(
@@ -698,6 +710,7 @@ class StreamConsumer:
             block_ms=bus.block_ms,
             deadletter_stream=stream_key(bus.run_id, "deadletter"),
             create_group=create_group,
+            read_budget_bytes=read_budget_bytes,
         )
 
     def ensure_group(self) -> None:
@@ -711,9 +724,12 @@ class StreamConsumer:
         (default self.block_ms) when there is nothing else. Entries that fail to decode (or exceed
         max_deliveries) are dead-lettered and acked, not returned. Ack the rest once their work is
         durable: an entry left unacked is redelivered after a restart or claimed by another consumer.
+        With read_budget_bytes set, at most `read_count(count, ...)` entries are asked for (read again for more).
         """
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
+        if self.read_budget_bytes is not None:
+            count = read_count(count, budget_bytes=self.read_budget_bytes, max_message_bytes=self.limits.max_message_bytes)
         try:
             return self._read(count, self.block_ms if block_ms is None else block_ms)
         except redis.ResponseError as exc:

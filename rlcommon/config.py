@@ -23,6 +23,7 @@ __all__ = [
     "TaskConfig",
     "SamplingConfig",
     "WireLimits",
+    "derived_max_message_bytes",
     "SamplerConfig",
     "CorrectionConfig",
     "ParallelConfig",
@@ -131,6 +132,11 @@ class SamplingConfig(StrictModel):
     """K: size of the transmitted top-K of the processed distribution (for score centering)."""
 
 
+def derived_max_message_bytes(max_prompt_tokens: int, max_response_tokens: int, max_topk: int) -> int:
+    """`WireLimits.max_message_bytes` when it is not set: 4 P + 8 R (1 + K) + 1 MiB (see there)."""
+    return 4 * max_prompt_tokens + 8 * max_response_tokens * (1 + max_topk) + (1 << 20)
+
+
 class WireLimits(StrictModel):
     max_prompt_tokens: int = Field(8192, ge=1)
     """Messages with longer prompts are rejected (dead-lettered)."""
@@ -138,8 +144,13 @@ class WireLimits(StrictModel):
     """Messages with longer responses are rejected."""
     max_topk: int = Field(64, ge=1)
     """Largest accepted K of top-K rows."""
-    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    """Largest accepted encoded message."""
+    max_message_bytes: int | None = Field(None, ge=1024)
+    """Largest accepted encoded message. None (the default): derived from the limits above, so that it fits the
+    largest legal rollout and little more: `4 P + 8 R (1 + K) + 1 MiB` for P = max_prompt_tokens, R =
+    max_response_tokens, K = max_topk. Ids and logprobs take 4 bytes an entry (int32, float32): the prompt's
+    ids once, the response's ids and logprobs, its top-K ids and logprobs (R x K each); 1 MiB covers the other
+    fields (ids, scalars, up to 256 timings: 0.3 MB at most; `rlcommon.wire.largest_rollout_bytes` is the exact
+    bound). 17.3 MiB with the defaults. The vocabulary size does not enter it (every id takes 4 bytes)."""
     vocab_size: int | None = Field(None, ge=1)
     """Token ids (prompt, response, top-K) must be below it: the rows of the model's embedding, its config.json
     `vocab_size` (which may exceed the tokenizer's size: padding). Every service sets it at start-up from the
@@ -150,6 +161,15 @@ class WireLimits(StrictModel):
     about -104, so a token an engine really sampled is far above -1e4; a value below is garbage that would
     overflow the importance ratio exp(logp_trainer - logp_sampler). The other top-K entries have no floor: at
     a low temperature a listed token's probability is legitimately ~0 (and -inf when masked)."""
+
+    @model_validator(mode="after")
+    def _derive_max_message_bytes(self) -> WireLimits:
+        """Derive max_message_bytes unless it was set; again after any change of the other limits."""
+        if self.max_message_bytes is None or "max_message_bytes" not in self.model_fields_set:
+            self.__dict__["max_message_bytes"] = derived_max_message_bytes(
+                self.max_prompt_tokens, self.max_response_tokens, self.max_topk
+            )
+        return self
 
     def for_model_vocab(self, model_vocab_size: int) -> WireLimits:
         """These limits with `vocab_size` set to the model's (config.json `vocab_size`), or kept where the
@@ -198,7 +218,8 @@ class SamplerConfig(StrictModel):
     weights_dir: str | None = None
     """Where this sampler finds the published versions when it mounts the trainer's publish folder under another
     path (another node): a weight update's folder is looked up by its name (v000123) here. None: the path the
-    update names."""
+    update names, which must then be inside `<run_dir>/weights`. Either way the sampler loads only a `vNNNNNN`
+    folder directly inside this root, every link resolved (rlcommon/weight_store.py resolve_announced_version)."""
     reload_retry_s: float = Field(1.0, gt=0)
     """After a failed weight load, the first wait before loading again; doubled after each further failure, up to
     `reload_retry_max_s`. Until a load succeeds the sampler takes no task (it would sample with stale weights)
@@ -299,6 +320,10 @@ class TrainerConfig(StrictModel):
     """Prometheus port (None = off, 0 = pick a free one)."""
     metrics_host: str = "127.0.0.1"
     """Host the Prometheus port binds (compose: 0.0.0.0 inside the container, for Prometheus on its network)."""
+    read_budget_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    """Most bytes of rollouts one read of the stream may bring in: each XREADGROUP asks for at most
+    max(1, this // wire.max_message_bytes) entries (14 with the defaults), and the trainer reads again for
+    more. Redis returns whole entries before any is checked, so this bounds what crafted large entries cost."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     """Constants of the corrections."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

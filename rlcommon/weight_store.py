@@ -5,8 +5,9 @@ generation_config.json, the tokenizer files of the source model folder) and `man
 `{"weight_version", "step", "files": {name: sha256}}`. It is written into a temporary folder inside
 `publish_dir` and renamed into place (atomic on one filesystem), so a reader never sees a half-written
 version; `verify_version_folder` checks a folder against its manifest before anyone loads it, and `load_version`
-(what a sampler calls before its engine swaps to a version) adds the version number, stray weight files and
-the served model's architecture. The sha256
+(what a sampler calls before its engine swaps to a version) adds the version number, files outside the manifest
+and the served model's architecture. A sampler takes an announced path only through
+`resolve_announced_version`: inside its weights root once every link is resolved, named for the version. The sha256
 of manifest.json identifies the whole version (it covers every file's hash): it is what a WeightUpdate
 carries. torch and transformers are needed only by `publish_version`.
 
@@ -40,6 +41,7 @@ __all__ = [
     "manifest_sha256",
     "publish_version",
     "published_versions",
+    "resolve_announced_version",
     "sweep_partial",
     "verify_version_folder",
     "version_folder",
@@ -163,7 +165,8 @@ def verify_version_folder(path: str | os.PathLike[str], *, expected_sha256: str 
 
     Raises WeightsError naming the problem: not a folder, not a `vNNNNNN` name (a temporary, partial
     folder), no or unreadable manifest.json, a manifest whose version disagrees with the folder name,
-    no config.json or .safetensors listed, a listed file missing, a sha256 mismatch, or (when
+    no config.json or .safetensors listed, a listed file missing or a link out of the folder (checked before it
+    is read), a sha256 mismatch, or (when
     `expected_sha256` is given) a manifest other than the announced one.
     """
     folder = Path(path)
@@ -196,6 +199,8 @@ def verify_version_folder(path: str | os.PathLike[str], *, expected_sha256: str 
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
             raise WeightsError(f"{manifest_path}: bad file name {name!r}")
         file_path = folder / name
+        if file_path.is_symlink() and file_path.resolve().parent != folder.resolve():
+            raise WeightsError(f"{file_path}: links outside the version folder (to {file_path.resolve()}): refused")
         if not file_path.is_file():
             raise WeightsError(f"{folder}: file {name} listed in the manifest is missing (partial folder?)")
         actual = _sha256_file(file_path)
@@ -301,6 +306,40 @@ def check_compatible(version_dir: str | os.PathLike[str], serving_model_dir: str
         )
 
 
+def resolve_announced_version(
+    root: str | os.PathLike[str], announced: str | os.PathLike[str], weight_version: int
+) -> Path:
+    """The version folder an announced path names, resolved (every symlink followed), or WeightsError.
+
+    `root` is the sampler's weights root (`sampler.weights_dir`, else the run's publish folder). Refused: a
+    root or folder that does not exist, a folder whose resolved path is not directly inside the resolved root
+    (`..`, an absolute path elsewhere, a version folder that is a link to another place), and a folder name
+    other than `v{weight_version:06d}`. The files inside are checked by `load_version`.
+    """
+    try:
+        real_root = Path(root).resolve(strict=True)
+    except (OSError, RuntimeError) as err:
+        raise WeightsError(f"weights root {root}: not found ({err})") from None
+    expected = version_folder(real_root, weight_version).name
+    if Path(announced).name != expected:
+        raise WeightsError(f"announced path {announced}: the folder of weight version {weight_version} is {expected}")
+    try:
+        folder = Path(announced).resolve(strict=True)
+    except (OSError, RuntimeError) as err:
+        raise WeightsError(f"announced path {announced}: no such version folder ({err})") from None
+    if folder.parent != real_root or folder.name != expected:
+        raise WeightsError(
+            f"announced path {announced} resolves to {folder}, which is not {expected} directly inside the weights "
+            f"root {real_root}: refused"
+        )
+    return folder
+
+
+def _unlisted_entries(folder: Path, files: dict[str, Any]) -> list[str]:
+    """Entries of `folder` that a loader could read but the manifest does not list (folders and links too)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST_NAME and p.name not in files)
+
+
 def load_version(
     version_dir: str | os.PathLike[str],
     *,
@@ -311,8 +350,9 @@ def load_version(
     """Verify a published version folder and describe it; raises WeightsError on any problem.
 
     Checks, in order: sha256 of every file against manifest.json (and of the manifest against
-    `expected_sha256`, the WeightUpdate's), the version against `expected_version`, no `.safetensors`
-    file outside the manifest (vLLM would load it too), and the architecture against
+    `expected_sha256`, the WeightUpdate's), the version against `expected_version`, no entry outside the
+    manifest (vLLM reads every weight file of the folder, a tokenizer every tokenizer file; publish_version
+    writes nothing else), and the architecture against
     `serving_model_dir`'s config.json. Reads every file: call it off the event loop.
     """
     folder = Path(version_dir).resolve()
@@ -320,9 +360,9 @@ def load_version(
     weight_version = manifest["weight_version"]
     if expected_version is not None and weight_version != expected_version:
         raise WeightsError(f"{folder}: holds weight version {weight_version}, expected {expected_version}")
-    stray = sorted(p.name for p in folder.glob("*.safetensors") if p.name not in manifest["files"])
+    stray = _unlisted_entries(folder, manifest["files"])
     if stray:
-        raise WeightsError(f"{folder}: weight files not in the manifest: {', '.join(stray)}")
+        raise WeightsError(f"{folder}: files not in the manifest: {', '.join(stray)}")
     if serving_model_dir is not None:
         check_compatible(folder, serving_model_dir)
     return PublishedVersion(

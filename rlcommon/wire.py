@@ -9,6 +9,14 @@ Every message is a msgpack map holding `v` (the schema version), `type` (`task` 
 (garbage, truncated, oversize, wrong types, missing or extra fields, unknown schema version,
 inconsistent arrays, out-of-range ids or logprobs). The bus dead-letters a message that fails it.
 
+A crafted message costs little memory before it is refused: `decode` first walks the top-level map without
+building anything (`_top_level_spans`): every key must be a known field, none twice, and each value may nest
+and hold no more than its field allows (a scalar: no container; an array map: 3 entries, one level below;
+payload, timings: MAX_DICT_ITEMS scalars; sample_indices: MAX_SAMPLE_INDICES ints) and take no more bytes than
+its largest legal value (`field_max_bytes`: array data from the limits' token counts). Then the schema version,
+the type and the required fields; only then are the values read. A test bounds decode's peak memory on
+refused messages by the message's size.
+
 Validation rules beyond types (see `validate`):
 - prompt_ids: 1..limits.max_prompt_tokens tokens; response_ids: 1..limits.max_response_tokens tokens;
   sampler_logprobs has the response's length; topk_ids and topk_logprobs are [T, K], 1 <= K <= max_topk.
@@ -21,8 +29,8 @@ Validation rules beyond types (see `validate`):
 - versions, ids, indices and counts are non-negative ints (bools and floats are rejected) below 2**63;
   top_k >= -1; group_size >= 1; temperature > 0; 0 < top_p <= 1; floats finite; id strings 1..256
   characters.
-- a Task's optional `sample_indices` (a msgpack list; absent or empty = all G) ascends strictly and every
-  index is < group_size.
+- a Task's optional `sample_indices` (a msgpack list; absent or empty = all G) ascends strictly, every
+  index is < group_size, and it holds at most MAX_SAMPLE_INDICES entries.
 
 Optional fields (`_OPTIONAL`) are left out of the message when they hold their default, so a message
 that does not use one reads the same to a decoder that does not know it; a decoder fills in the default
@@ -53,6 +61,8 @@ __all__ = [
     "Message",
     "encode",
     "decode",
+    "field_max_bytes",
+    "largest_rollout_bytes",
     "validate",
 ]
 
@@ -65,6 +75,8 @@ MAX_TEXT_CHARS = 65_536
 """Longest accepted free-text string (payload values, paths, reasons)."""
 MAX_DICT_ITEMS = 256
 """Most entries in `payload` / `timings`."""
+MAX_SAMPLE_INDICES = 65_536
+"""Most entries in a Task's `sample_indices`."""
 _MAX_INT = 2**63 - 1
 _DEFAULT_LIMITS = WireLimits()
 
@@ -165,6 +177,53 @@ _OPTIONAL: dict[type, dict[str, Any]] = {Task: {"sample_indices": ()}}
 _TYPE_TAGS: dict[type, str] = {Task: "task", Rollout: "rollout"}
 _TAG_TYPES: dict[str, type] = {tag: cls for cls, tag in _TYPE_TAGS.items()}
 _ARRAY_KEYS = frozenset(("dtype", "shape", "data"))
+_TOP_KINDS: dict[str, str] = {"v": "version", "type": "tag"}
+"""Every key a message may have -> its field kind (a field has the same kind in every message type)."""
+for _spec in _FIELDS.values():
+    for _name, (_kind, _) in _spec.items():
+        assert _TOP_KINDS.setdefault(_name, _kind) == _kind, f"field {_name} has two kinds"
+_NESTING: dict[str, tuple[int, int]] = {  # kind -> (container levels in the value, most entries per container)
+    "<i4": (2, len(_ARRAY_KEYS)), "<f4": (2, len(_ARRAY_KEYS)),  # {dtype, shape: [dims], data}
+    "payload": (1, MAX_DICT_ITEMS), "timings": (1, MAX_DICT_ITEMS), "uints": (1, MAX_SAMPLE_INDICES),
+}  # fmt: skip
+_MAX_ELEMENTS: dict[str, Any] = {  # array field -> its most elements under the limits
+    "prompt_ids": lambda lim: lim.max_prompt_tokens,
+    "response_ids": lambda lim: lim.max_response_tokens,
+    "sampler_logprobs": lambda lim: lim.max_response_tokens,
+    "topk_ids": lambda lim: lim.max_response_tokens * lim.max_topk,
+    "topk_logprobs": lambda lim: lim.max_response_tokens * lim.max_topk,
+}
+_ARRAY_OVERHEAD = 64
+"""Bytes of an array map besides its data: map header, the keys, dtype, up to 2 dims of 9 bytes, bin header."""
+_STR_MAX_BYTES = 5 + 4 * MAX_ID_CHARS  # str32 header + 4 UTF-8 bytes a character
+_TEXT_MAX_BYTES = 5 + 4 * MAX_TEXT_CHARS
+_SCALAR_MAX_BYTES = 9  # a float64 or an int64 with its type byte
+_SCALAR_NAMES = {"version": "an int", "tag": "a str", "id": "a str", "uint": "an int", "top_k": "an int",
+                 "float": "a float"}  # fmt: skip
+
+
+def field_max_bytes(name: str, limits: WireLimits) -> int:
+    """The most bytes field `name`'s encoded value takes in a message that passes decode under `limits`."""
+    kind = _TOP_KINDS[name]
+    if kind in ("<i4", "<f4"):
+        return _ARRAY_OVERHEAD + 4 * _MAX_ELEMENTS[name](limits)
+    if kind in ("id", "tag"):
+        return _STR_MAX_BYTES
+    if kind == "timings":
+        return 5 + MAX_DICT_ITEMS * (_STR_MAX_BYTES + _SCALAR_MAX_BYTES)
+    if kind == "payload":
+        return 5 + MAX_DICT_ITEMS * (_STR_MAX_BYTES + _TEXT_MAX_BYTES)
+    if kind == "uints":
+        return 5 + MAX_SAMPLE_INDICES * _SCALAR_MAX_BYTES
+    return _SCALAR_MAX_BYTES  # version, uint, top_k, float
+
+
+def largest_rollout_bytes(limits: WireLimits) -> int:
+    """The most bytes a rollout that passes decode under `limits` takes (every field at its largest), about
+    4 P + 8 R (1 + K) for P prompt tokens, R response tokens, K top-K width, plus 0.3 MB of other fields.
+    `WireLimits.max_message_bytes` defaults to a bound of it (rlcommon/config.py)."""
+    names = ("v", "type", *_FIELDS[Rollout])
+    return 5 + sum(1 + len(name) + field_max_bytes(name, limits) for name in names)
 
 
 # ----------------------------------------------------------------------------------------------- encode
@@ -345,6 +404,128 @@ def _read(buf: memoryview, pos: int, end: int, depth: int) -> tuple[Any, int]:
     return mapping, pos
 
 
+_TYPE_NAMES = {0xC0: "NoneType", 0xC2: "bool", 0xC3: "bool", 0xCA: "float", 0xCB: "float", 0xDC: "list",
+               0xDD: "list", 0xDE: "dict", 0xDF: "dict"}  # fmt: skip
+
+
+def _type_name(byte: int) -> str:
+    """The Python type name of the msgpack object that starts with `byte` (as msgpack.unpackb would give it)."""
+    if byte < 0x80 or byte >= 0xE0 or 0xCC <= byte <= 0xD3:
+        return "int"
+    if 0x90 <= byte <= 0x9F:
+        return "list"
+    if 0x80 <= byte <= 0x8F:
+        return "dict"
+    if 0xA0 <= byte <= 0xBF or 0xD9 <= byte <= 0xDB:
+        return "str"
+    if 0xC4 <= byte <= 0xC6:
+        return "bytes"
+    return _TYPE_NAMES.get(byte, f"type byte {byte:#04x}")
+
+
+def _skip(buf: memoryview, pos: int, end: int, where: str, levels: int, max_items: int) -> int:
+    """Position after the msgpack object at buf[pos:end], building nothing (strings are not decoded).
+    WireError(where) if it holds containers more than `levels` deep or one with more than `max_items` entries;
+    the field of a map's value is named `where.key`."""
+    if pos >= end:
+        raise _truncated()
+    byte = buf[pos]
+    pos += 1
+    if byte < 0x80 or byte >= 0xE0 or byte in _CONSTANTS:
+        return pos
+    if 0xA0 <= byte <= 0xBF:
+        length, kind = byte & 0x1F, "str"
+    elif byte <= 0x8F:
+        kind, length = "map", byte & 0x0F
+    elif byte <= 0x9F:
+        kind, length = "array", byte & 0x0F
+    elif byte in _FIXED:
+        size = _FIXED[byte][1]
+        if pos + size > end:
+            raise _truncated()
+        return pos + size
+    elif byte in _SIZED:
+        kind, unpack, size = _SIZED[byte]
+        if pos + size > end:
+            raise _truncated()
+        length = unpack(buf, pos)[0]
+        pos += size
+    else:
+        raise WireError(
+            "message", f"not valid msgpack here: type byte {byte:#04x} (ext types are not allowed)"
+        )
+    if kind == "bin" or kind == "str":
+        if pos + length > end:
+            raise _truncated()
+        return pos + length
+    if levels <= 0:
+        raise WireError(where, f"expected a scalar, got {_type_name(byte)}")
+    if length > max_items:
+        raise WireError(where, f"{length} entries exceeds {max_items}")
+    if length > end - pos:  # every element takes at least one byte
+        raise _truncated()
+    if kind == "array":
+        for _ in range(length):
+            pos = _skip(buf, pos, end, where, levels - 1, max_items)
+        return pos
+    for _ in range(length):
+        key_at = pos
+        pos = _skip(buf, pos, end, where, 0, 0)
+        try:
+            pos = _skip(buf, pos, end, where, levels - 1, max_items)
+        except WireError as err:
+            if err.field != where:
+                raise
+            key, _ = _read(buf, key_at, end, _MAX_DEPTH)
+            raise WireError(f"{where}.{key}", err.reason) from None
+    return pos
+
+
+def _top_level_spans(buf: memoryview, limits: WireLimits) -> dict[str, tuple[int, int]]:
+    """Walk the message's top-level map without building anything: field name -> (start, end) of its value.
+
+    Refused here: not a map, a key that is no field of any message or comes twice, a value that nests deeper
+    or holds more entries than its field allows (`_NESTING`) or takes more bytes than the field's largest
+    legal value (`field_max_bytes`), trailing bytes."""
+    end = len(buf)
+    if end == 0:
+        raise _truncated()
+    byte = buf[0]
+    if 0x80 <= byte <= 0x8F:
+        count, pos = byte & 0x0F, 1
+    elif byte in (0xDE, 0xDF):
+        _, unpack, size = _SIZED[byte]
+        if 1 + size > end:
+            raise _truncated()
+        count, pos = unpack(buf, 1)[0], 1 + size
+    else:
+        raise WireError("message", f"not valid msgpack for a message: expected a msgpack map, got {_type_name(byte)}")
+    if count > len(_TOP_KINDS):
+        raise WireError("message", f"{count} fields, more than any message has ({len(_TOP_KINDS)})")
+    spans: dict[str, tuple[int, int]] = {}
+    for _ in range(count):
+        if pos < end and not 0xA0 <= buf[pos] <= 0xBF:  # every field name is a fixstr
+            raise WireError("message", f"map keys must be field names (short strings), got {_type_name(buf[pos])}")
+        key, pos = _read(buf, pos, end, _MAX_DEPTH)
+        kind = _TOP_KINDS.get(key)
+        if kind is None:
+            raise WireError(key or "message", f"unknown field {key!r}")
+        if key in spans:
+            raise WireError(key, "field given twice")
+        levels, max_items = _NESTING.get(kind, (0, 0))
+        if levels == 0 and pos < end and _type_name(buf[pos]) in ("list", "dict"):  # a scalar field
+            raise WireError(key, f"expected {_SCALAR_NAMES[kind]}, got {_type_name(buf[pos])}")
+        stop = _skip(buf, pos, end, key, levels, max_items)
+        most = field_max_bytes(key, limits)
+        if stop - pos > most:
+            raise WireError(key, f"{stop - pos} bytes, more than its largest legal value ({most} bytes)")
+        spans[key] = (pos, stop)
+        pos = stop
+    if pos != end:
+        raise WireError("message", f"not valid msgpack: {end - pos} bytes after the message")
+    return spans
+
+
 # ----------------------------------------------------------------------------------------------- decode
 
 
@@ -381,15 +562,19 @@ def _decode_unchecked(data: Any, *, expected: type | None, limits: WireLimits) -
         raise WireError(
             "message", f"{len(data)} bytes exceeds limits.max_message_bytes={limits.max_message_bytes}"
         )
-    body = _unpack(data if isinstance(data, bytes) else bytes(data))
-    if not isinstance(body, dict):
-        raise WireError("message", f"expected a msgpack map, got {type(body).__name__}")
-    version = body.get("v")
-    if version is None:
+    buf = memoryview(data if isinstance(data, bytes) else bytes(data))
+    spans = _top_level_spans(buf, limits)
+
+    def value(name: str) -> Any:
+        start, stop = spans[name]
+        return _read(buf, start, stop, 1)[0]
+
+    if "v" not in spans:
         raise WireError("v", "missing schema version")
+    version = value("v")
     if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
         raise WireError("v", f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
-    tag = body.get("type")
+    tag = value("type") if "type" in spans else None
     cls = _TAG_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise WireError("type", f"unknown message type {tag!r}; expected one of {sorted(_TAG_TYPES)}")
@@ -397,14 +582,14 @@ def _decode_unchecked(data: Any, *, expected: type | None, limits: WireLimits) -
         raise WireError("type", f"expected a {_TYPE_TAGS[expected]} message, got {tag!r}")
     spec = _FIELDS[cls]
     optional = _OPTIONAL.get(cls, {})
-    missing = [name for name in spec if name not in body and name not in optional]
+    missing = [name for name in spec if name not in spans and name not in optional]
     if missing:
         raise WireError(missing[0], "missing field")
-    extra = sorted(str(key) for key in body if key not in spec and key not in ("v", "type"))
+    extra = sorted(key for key in spans if key not in spec and key not in ("v", "type"))
     if extra:
-        raise WireError(extra[0] or "message", f"unknown field {extra[0]!r} in a {tag} message")
-    return cls(**{name: _decode_field(name, body[name], kind, ndim)
-                  for name, (kind, ndim) in spec.items() if name in body})
+        raise WireError(extra[0], f"unknown field {extra[0]!r} in a {tag} message")
+    return cls(**{name: _decode_field(name, value(name), kind, ndim)
+                  for name, (kind, ndim) in spec.items() if name in spans})
 
 
 def _decode_field(name: str, value: Any, kind: str, ndim: int) -> Any:

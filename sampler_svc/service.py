@@ -6,8 +6,8 @@ one rollout per sample, acks the task, and follows the coordinator's weight upda
     stop()   cancel background work, shut the engine down (unacked tasks are redelivered to others)
 
 Weight updates are loaded by one background task, the newest heard of first. A load that fails (a corrupted or
-missing file, a sha256 mismatch) is acked with its error (the coordinator marks the sampler unhealthy and stops
-waiting for it) and tried again after `sampler.reload_retry_s`, doubled each time up to `reload_retry_max_s`, or
+missing file, a sha256 mismatch, a path outside the sampler's weights root: `version_path`) is acked with its
+error (the coordinator marks the sampler unhealthy and stops waiting for it) and tried again after `sampler.reload_retry_s`, doubled each time up to `reload_retry_max_s`, or
 at once when a newer version is announced. Until a load succeeds, a sampler left on a version older than the
 published one takes no task: its rollouts would be ever staler, and the other samplers take the tasks.
 """
@@ -31,7 +31,7 @@ from rlcommon.config import RunConfig
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.rpc import AsyncCoordinatorClient
-from rlcommon.weight_store import WeightsError
+from rlcommon.weight_store import WeightsError, resolve_announced_version
 from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, SamplerEngine
 from sampler_svc.rollouts import generate_rollouts
@@ -250,11 +250,18 @@ class SamplerService:
                 await asyncio.wait_for(self.newer_update.wait(), delay)
             self.newer_update.set()  # the newest wanted update, newer or the same
 
+    def weights_root(self) -> Path:
+        """The only folder this sampler loads versions from: `sampler.weights_dir`, else the run's publish folder
+        (`<run_dir>/weights`, where the trainer publishes)."""
+        return Path(self.cfg.sampler.weights_dir) if self.cfg.sampler.weights_dir is not None else self.cfg.publish_dir
+
     def version_path(self, update: pb.WeightUpdate) -> Path:
-        """The update's version folder as this sampler sees it (`sampler.weights_dir`, when set, holds it)."""
-        if self.cfg.sampler.weights_dir is None:
-            return Path(update.path)
-        return Path(self.cfg.sampler.weights_dir) / Path(update.path).name
+        """The update's version folder as this sampler sees it, resolved; WeightsError unless it is the update's
+        `v{version:06d}` directly inside `weights_root()` (with `sampler.weights_dir` set, looked up there by name)."""
+        announced = Path(update.path)
+        if self.cfg.sampler.weights_dir is not None:
+            announced = Path(self.cfg.sampler.weights_dir) / announced.name
+        return resolve_announced_version(self.weights_root(), announced, update.weight_version)
 
     async def apply_update(self, update: pb.WeightUpdate) -> bool:
         """Load `update` into the engine and ack it (with the error when the load failed); True once loaded."""

@@ -184,7 +184,7 @@ class TrainerService:
         limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.consumer = StreamConsumer.from_config(
             self.conn, cfg.bus, "rollouts", group=ROLLOUTS_GROUP, consumer=f"trainer-{socket.gethostname()}",
-            expected=Rollout, limits=limits,
+            expected=Rollout, limits=limits, read_budget_bytes=cfg.trainer.read_budget_bytes,
         )
         # Trims the rollouts it acked past bus.max_stream_len (samplers may not XTRIM: rlcommon/redis_acl.py).
         self.rollouts = StreamProducer.from_config(self.conn, cfg.bus, "rollouts", backpressure=False)

@@ -19,10 +19,11 @@ from rlcommon.bus import (
     RedisConnection,
     StreamConsumer,
     StreamProducer,
+    read_count,
     stream_key,
     trim_acked,
 )
-from rlcommon.config import BusConfig, RedisConfig
+from rlcommon.config import BusConfig, RedisConfig, WireLimits
 from rlcommon.embedded_redis import EmbeddedRedis
 from rlcommon.wire import Task, WireError, encode
 
@@ -175,6 +176,37 @@ def test_bad_messages_are_dead_lettered_and_acked(conn):
         assert fields[b"data"] == original.get(b"d", b"")
     assert letters[-1][1][b"reason"].startswith(b"type: expected a task message")
     assert reader.pending_count() == 2  # only the good ones wait for an ack
+
+
+def test_read_count_fits_the_byte_budget():
+    assert read_count(100, budget_bytes=10_000, max_message_bytes=1000) == 10
+    assert read_count(4, budget_bytes=10_000, max_message_bytes=1000) == 4
+    assert read_count(100, budget_bytes=999, max_message_bytes=1000) == 1  # one entry at least: the read goes on
+    for wanted in (1, 7, 128):
+        for budget in (1, 4096, 10**6, 256 << 20):
+            n = read_count(wanted, budget_bytes=budget, max_message_bytes=4096)
+            assert 1 <= n <= wanted and (n == 1 or n * 4096 <= budget)
+
+
+def test_a_read_asks_redis_for_no_more_entries_than_its_byte_budget(conn):
+    """Issue 25 item 9: every entry may be max_message_bytes large and Redis returns whole entries before any is
+    checked, so a read under a budget asks for at most budget // max_message_bytes of them; more come in later
+    reads. Redis makes an entry pending at the consumer as it delivers it: the pending count is what was asked."""
+    limits = WireLimits(max_message_bytes=4096)
+    StreamProducer(conn, STREAM).send_many([make_task(i) for i in range(20)])
+    first = consumer(conn, "trainer", limits=limits)
+    assert len(first.read(5)) == 5  # no budget: what it asks for; these 5 stay pending at "trainer"
+    reader = consumer(conn, "trainer", limits=limits, read_budget_bytes=3 * 4096 + 100)  # restarted, with a budget
+    seen, reads = [], 0
+    while len(seen) < 20:
+        before = reader.pending_count(consumer_only=True)
+        got = reader.read(64, block_ms=1)
+        assert 1 <= len(got) <= 3
+        if reads > 0 and len(seen) >= 5:  # past the replay of its own 5: each read takes new entries only
+            assert reader.pending_count(consumer_only=True) - before == len(got)
+        seen += task_ids(got)
+        reads += 1
+    assert sorted(seen, key=lambda t: int(t[1:])) == [f"t{i}" for i in range(20)] and reads == 7
 
 
 def test_message_that_keeps_failing_is_dead_lettered(conn):

@@ -139,6 +139,30 @@ def test_weights_volume_shared_by_trainer_and_samplers():
         assert BASE["services"][name]["environment"]["DLC_RUN_DIR"].startswith("/shared")
 
 
+def mounts(service: dict) -> dict[str, tuple[str, str]]:
+    """target -> (source, mode) of a service's short-syntax volumes (mode `rw` when none is given)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = str(volume).split(":")
+        out[target] = (source, mode[0] if mode else "rw")
+    return out
+
+
+@pytest.mark.parametrize("stack", [BASE, CPU], ids=["gpu", "cpu"])
+def test_samplers_mount_the_shared_volume_read_only(stack):
+    """Issue 25 item 8: a compromised sampler cannot rewrite published versions, checkpoints or the model. Only
+    the trainer (publishes, checkpoints) and the model's producers (the coordinator downloads a hub model at
+    start-up; the CPU stack's model-builder builds the tiny one) write /shared."""
+    writers = {"trainer", "coordinator", "model-builder"}
+    for name, service in stack["services"].items():
+        for target, (source, mode) in mounts(service).items():
+            if source == "shared":
+                assert mode == ("rw" if name in writers else "ro"), f"{name}: {source}:{target} is {mode}"
+    sampler = mounts(stack["services"]["sampler"])
+    assert sampler["/shared"] == ("shared", "ro")
+    assert [t for t, (_, mode) in sampler.items() if mode == "rw"] == ["/gpu-locks"]  # its only writable mount
+
+
 def test_sampler_is_scalable():
     sampler = BASE["services"]["sampler"]
     assert "container_name" not in sampler

@@ -162,3 +162,34 @@ def test_trainer_threads_default_to_the_cores_shared_among_ranks():
     assert cpu_threads(None, ranks=1) >= 1  # this process's own affinity
     with pytest.raises(ConfigError, match="trainer.threads"):
         load_config(RunConfig, [], ["--trainer.threads=0"])
+
+
+def test_max_message_bytes_is_derived_from_the_other_wire_limits():
+    """Issue 25 item 9: 4 P + 8 R (1 + K) + 1 MiB, the largest legal rollout with room to spare (17.3 MiB with the
+    defaults, where it was a fixed 64 MiB), unless set; it follows later changes of the other limits."""
+    from rlcommon.config import WireLimits, derived_max_message_bytes
+
+    assert WireLimits().max_message_bytes == 4 * 8192 + 8 * 32768 * 65 + (1 << 20) == 18_120_704
+    small = WireLimits(max_prompt_tokens=100, max_response_tokens=200, max_topk=4)
+    assert small.max_message_bytes == 400 + 8 * 200 * 5 + (1 << 20) == derived_max_message_bytes(100, 200, 4)
+    small.max_response_tokens = 1000
+    assert small.max_message_bytes == derived_max_message_bytes(100, 1000, 4)
+    assert small.for_model_vocab(50).max_message_bytes == small.max_message_bytes
+    explicit = WireLimits(max_message_bytes=5000, max_topk=2)
+    explicit.max_topk = 64
+    assert explicit.max_message_bytes == 5000
+    cfg = load_config(overrides=["--wire.max_prompt_tokens=16", "--wire.max_response_tokens=32", "--wire.max_topk=8"])
+    assert cfg.wire.max_message_bytes == 64 + 8 * 32 * 9 + (1 << 20)
+    assert load_config(overrides=["--wire.max_message_bytes=none"]).wire.max_message_bytes == 18_120_704
+    with pytest.raises(ConfigError, match="wire.max_message_bytes"):
+        load_config(overrides=["--wire.max_message_bytes=10"])
+
+
+def test_the_trainer_reads_under_a_byte_budget_by_default():
+    from rlcommon.bus import read_count
+
+    cfg = RunConfig()
+    assert cfg.trainer.read_budget_bytes == 256 << 20
+    wanted = 4 * cfg.coordinator.batch_size * cfg.coordinator.group_size  # what the trainer asks for: 128
+    count = read_count(wanted, budget_bytes=cfg.trainer.read_budget_bytes, max_message_bytes=cfg.wire.max_message_bytes)
+    assert count == 14 and count * cfg.wire.max_message_bytes <= cfg.trainer.read_budget_bytes

@@ -12,12 +12,15 @@ import pytest
 from rlcommon.config import WireLimits
 from rlcommon.wire import (
     LOGPROB_TOLERANCE,
+    MAX_DICT_ITEMS,
+    MAX_ID_CHARS,
     SCHEMA_VERSION,
     Rollout,
     Task,
     WireError,
     decode,
     encode,
+    largest_rollout_bytes,
     validate,
 )
 
@@ -572,3 +575,96 @@ def test_validate_on_the_producer_side():
     with pytest.raises(WireError) as info:
         validate(make_rollout(reward=float("nan")))
     assert info.value.field == "reward"
+
+
+# ------------------------------------------------------------------- crafted messages (issue 25 item 9)
+
+
+def _with(msg, **fields) -> bytes:
+    body = wire_dict(msg)
+    body.update(fields)
+    return repack(body)
+
+
+CRAFTED = {
+    # The issue's case: a 2 MB rollout whose unknown field is an array of 2 million one-byte ints.
+    "unknown array field": lambda: _with(make_rollout(), junk=[0] * 2_000_000),
+    "unknown map field": lambda: _with(make_rollout(), junk={str(i): 0 for i in range(300_000)}),
+    "timings of 300k entries": lambda: _with(make_rollout(), timings={str(i): 0.0 for i in range(300_000)}),
+    "payload of 300k entries": lambda: _with(make_task(), payload={str(i): 0 for i in range(300_000)}),
+    "array shape of 2M dims": lambda: _with(
+        make_rollout(), prompt_ids={"dtype": "<i4", "shape": [0] * 2_000_000, "data": b""}
+    ),
+    "array data as a list": lambda: _with(
+        make_rollout(), prompt_ids={"dtype": "<i4", "shape": [1], "data": [0] * 2_000_000}
+    ),
+    "id holding 1M empty lists": lambda: _with(make_rollout(), rollout_id=[[]] * 1_000_000),
+    "2 MB id string": lambda: _with(make_rollout(), sampler_id="x" * 2_000_000),
+    "sample_indices of 2M ints": lambda: _with(make_task(group_size=4), sample_indices=[0] * 2_000_000),
+    "prompt larger than the limits allow": lambda: _with(
+        make_rollout(), prompt_ids=array_field(np.ones(600_000), "<i4")
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_a_crafted_message_is_refused_before_it_costs_memory(name):
+    """Before: nested fields were built before the field checks (the unknown array field peaked at 17 MB for
+    2 MB, the id of empty lists at 64 MB for 1 MB). Now decode's peak stays under twice the message's size
+    (measured: about 4 KB for each)."""
+    import tracemalloc
+
+    data = CRAFTED[name]()
+    assert len(data) > 500_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError):
+            decode(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(data), f"{name}: decode peaked at {peak} bytes for a {len(data)}-byte message"
+
+
+def test_crafted_messages_name_the_field_and_why():
+    rollout = make_rollout()
+    assert expect_error(_with(rollout, junk=[0] * 10), "junk").reason == "unknown field 'junk'"
+    assert "entries exceeds 256" in expect_error(_with(rollout, timings={str(i): 0 for i in range(300)}), "timings").reason
+    shape = {"dtype": "<i4", "shape": [1, 1, 1, 1], "data": b""}
+    assert "4 entries exceeds 3" in expect_error(_with(rollout, prompt_ids=shape), "prompt_ids.shape").reason
+    assert expect_error(_with(rollout, rollout_id=[]), "rollout_id").reason == "expected a str, got list"
+    assert expect_error(_with(rollout, reward=[1.0]), "reward").reason == "expected a float, got list"
+    assert expect_error(b"\x91\x01", "message").reason.endswith("expected a msgpack map, got list")
+    assert expect_error(b"\x00\xffgarbage", "message").reason.startswith("not valid msgpack")
+    too_long = array_field(np.ones(300), "<i4")
+    err = expect_error(_with(rollout, prompt_ids=too_long), "prompt_ids", limits=WireLimits(max_prompt_tokens=100))
+    assert "more than its largest legal value" in err.reason
+    twice = b"\x83" + repack("v") + repack(1) + repack("type") + repack("rollout") + repack("v") + repack(1)
+    assert expect_error(twice, "v").reason == "field given twice"  # a map of 3 entries: v, type, v again
+    assert "more than any message has" in expect_error(b"\xde\xff\xff" + b"\xc0" * 10, "message").reason
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [WireLimits(), WireLimits(max_prompt_tokens=1, max_response_tokens=1, max_topk=1),
+     WireLimits(max_prompt_tokens=100, max_response_tokens=300, max_topk=5)],
+    ids=["default", "smallest", "small"],
+)
+def test_the_largest_legal_rollout_fits_the_derived_max_message_bytes(limits):
+    """max_message_bytes (derived: 4 P + 8 R (1 + K) + 1 MiB) holds the largest rollout decode accepts, every
+    field at its largest, within 1 MiB of it."""
+    p, r, k = limits.max_prompt_tokens, limits.max_response_tokens, limits.max_topk
+    response = np.arange(r, dtype=np.int32)
+    longest_id = "\U0001f600" * MAX_ID_CHARS  # 4 UTF-8 bytes a character
+    msg = make_rollout(
+        num_tokens=r, k=k, prompt_ids=np.zeros(p, np.int32), response_ids=response,
+        topk_ids=response[:, None] + np.arange(k, dtype=np.int32) * r,
+        rollout_id=longest_id, sampler_id=longest_id, finish_reason=longest_id,
+        timings={"\U0001f600" * (MAX_ID_CHARS - 3) + f"{i:03d}": 1e300 for i in range(MAX_DICT_ITEMS)},
+        batch_id=2**63 - 1, group_id=2**63 - 1, sample_index=2**63 - 1, weight_version=2**63 - 1,
+    )
+    data = encode(msg)
+    assert decode(data, limits=limits).response_ids.shape == (r,)
+    assert len(data) <= largest_rollout_bytes(limits) <= limits.max_message_bytes
+    assert limits.max_message_bytes - largest_rollout_bytes(limits) < 1 << 20
+    assert largest_rollout_bytes(limits) - len(data) < 4096  # the bound is tight (str headers, key lengths)
