@@ -329,6 +329,17 @@ def _truncated() -> WireError:
     return WireError("message", "not valid msgpack: truncated")
 
 
+def _sized_header(buf: memoryview, byte: int, pos: int, end: int) -> tuple[str, int, int]:
+    """The header of a bin, str, array or map whose length follows type byte `byte` at buf[pos:]: (kind, length,
+    position after the header); WireError for a type byte that is none of those (ext types are not allowed)."""
+    if byte not in _SIZED:
+        raise WireError("message", f"not valid msgpack here: type byte {byte:#04x} (ext types are not allowed)")
+    kind, unpack, size = _SIZED[byte]
+    if pos + size > end:
+        raise _truncated()
+    return kind, unpack(buf, pos)[0], pos + size
+
+
 def _unpack(data: bytes) -> Any:
     buf = memoryview(data)
     obj, pos = _read(buf, 0, len(buf), 0)
@@ -363,16 +374,8 @@ def _read(buf: memoryview, pos: int, end: int, depth: int) -> tuple[Any, int]:
         if pos + size > end:
             raise _truncated()
         return unpack(buf, pos)[0], pos + size
-    elif byte in _SIZED:
-        kind, unpack, size = _SIZED[byte]
-        if pos + size > end:
-            raise _truncated()
-        length = unpack(buf, pos)[0]
-        pos += size
     else:
-        raise WireError(
-            "message", f"not valid msgpack here: type byte {byte:#04x} (ext types are not allowed)"
-        )
+        kind, length, pos = _sized_header(buf, byte, pos, end)
     if kind == "bin" or kind == "str":
         stop = pos + length
         if stop > end:
@@ -444,16 +447,8 @@ def _skip(buf: memoryview, pos: int, end: int, where: str, levels: int, max_item
         if pos + size > end:
             raise _truncated()
         return pos + size
-    elif byte in _SIZED:
-        kind, unpack, size = _SIZED[byte]
-        if pos + size > end:
-            raise _truncated()
-        length = unpack(buf, pos)[0]
-        pos += size
     else:
-        raise WireError(
-            "message", f"not valid msgpack here: type byte {byte:#04x} (ext types are not allowed)"
-        )
+        kind, length, pos = _sized_header(buf, byte, pos, end)
     if kind == "bin" or kind == "str":
         if pos + length > end:
             raise _truncated()

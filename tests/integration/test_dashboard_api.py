@@ -210,16 +210,22 @@ def test_a_batch_lookup_reads_only_that_batchs_entries(dashboard):
     assert sorted(s["text"] for g in batch["groups"] for s in g["samples"]) == ["0", "1", "2", "3"]
 
 
-def test_the_byte_budget_cuts_a_lookup_short(redis_url):
-    """A budget that fits the trainer's record and two rollouts: two samples, truncated: true."""
-    from coordinator.dashboard import DashboardServer
-    from coordinator.dashboard_data import DashboardData
-
+def started_coordinator(redis_url: str) -> tuple[RedisConnection, Coordinator]:
+    """A started Coordinator (no server) on its own connection, for a DashboardData of a test's own."""
     cfg = load_config(RunConfig, [], {"bus": {"run_id": RUN_ID}, "coordinator": {
         "batch_size": B, "group_size": G, "max_inflight_batches": 2, "sync_policy": "never"}})
     conn = RedisConnection(redis_url, reconnect_max_s=2.0)
     core = Coordinator(cfg, conn=conn, encode=CharTokenizer().encode)
     core.start()
+    return conn, core
+
+
+def test_the_byte_budget_cuts_a_lookup_short(redis_url):
+    """A budget that fits the trainer's record and two rollouts: two samples, truncated: true."""
+    from coordinator.dashboard import DashboardServer
+    from coordinator.dashboard_data import DashboardData
+
+    conn, core = started_coordinator(redis_url)
     slots = [(g, s) for g in range(B) for s in range(G)]
     ids = StreamProducer(conn, stream_key(RUN_ID, "rollouts")).send_many(
         [rollout(0, g, s, "x" * 40, 0.0) for g, s in slots])
@@ -257,11 +263,7 @@ def test_one_batch_lookup_at_a_time_the_next_gets_429(redis_url):
     from coordinator.dashboard import DashboardServer
     from coordinator.dashboard_data import DashboardData
 
-    cfg = load_config(RunConfig, [], {"bus": {"run_id": RUN_ID}, "coordinator": {
-        "batch_size": B, "group_size": G, "max_inflight_batches": 2, "sync_policy": "never"}})
-    conn = RedisConnection(redis_url, reconnect_max_s=2.0)
-    core = Coordinator(cfg, conn=conn, encode=CharTokenizer().encode)
-    core.start()
+    conn, core = started_coordinator(redis_url)
     ids = StreamProducer(conn, stream_key(RUN_ID, "rollouts")).send_many([rollout(0, 0, 0, "1", 0.0)])
     data = encode_token_stats(batch_id=0, step=0, slots=[(0, 0)], lag=None, num=None, lengths=[1], entry_ids=ids)
     conn.call(lambda r: r.xadd(stream_key(RUN_ID, "tokens"), {DATA_FIELD: data}))
