@@ -125,6 +125,8 @@ def bad_calls(stub: pb_grpc.CoordinatorStub) -> list[tuple[str, Any, Any, tuple,
         ("ReportStep with a wrong token", stub.ReportStep, report, auth("guess"), unauth, "invalid token"),
         ("TriggerSync without a token", stub.TriggerSync, pb.TriggerSyncRequest(reason="x"), (), unauth,
          "missing 'authorization"),
+        ("GetStatus without a token (reads need one too)", stub.GetStatus, pb.GetStatusRequest(), (), unauth,
+         "missing 'authorization"),
         ("AnnouncePublished, malformed bearer", stub.AnnouncePublished, pb.AnnouncePublishedRequest(),
          (("authorization", TOKEN),), unauth, "must be 'Bearer <token>'"),
         ("ReportStep of an unplanned batch", stub.ReportStep,
@@ -158,11 +160,11 @@ def bad_calls(stub: pb_grpc.CoordinatorStub) -> list[tuple[str, Any, Any, tuple,
          "version 999 was never published"),
         ("TriggerSync without a reason", stub.TriggerSync, pb.TriggerSyncRequest(reason="  "), auth(), invalid,
          "reason: must not be empty"),
-        ("GetBatchPlan of an unplanned batch", stub.GetBatchPlan, pb.GetBatchPlanRequest(batch_id=10**9), (),
+        ("GetBatchPlan of an unplanned batch", stub.GetBatchPlan, pb.GetBatchPlanRequest(batch_id=10**9), auth(),
          invalid, "batch_id: batch 1000000000 is not planned"),
-        ("ListBatches with an unknown status", stub.ListBatches, pb.ListBatchesRequest(status=99), (), invalid,
+        ("ListBatches with an unknown status", stub.ListBatches, pb.ListBatchesRequest(status=99), auth(), invalid,
          "status: unknown batch status 99"),
-        ("ListSyncs with a negative limit", stub.ListSyncs, pb.ListSyncsRequest(limit=-5), (), invalid,
+        ("ListSyncs with a negative limit", stub.ListSyncs, pb.ListSyncsRequest(limit=-5), auth(), invalid,
          "limit: must be >= 0"),
     ]
 
@@ -222,7 +224,7 @@ def bad_run(tmp_path_factory) -> dict[str, Any]:
         channel = grpc.insecure_channel(stack.address)
         stub = pb_grpc.CoordinatorStub(channel)
         wait("sampler-0 to register", lambda: any(
-            s.sampler_id == "sampler-0" for s in stub.ListSamplers(pb.ListSamplersRequest(), timeout=10).samplers))
+            s.sampler_id == "sampler-0" for s in stub.ListSamplers(pb.ListSamplersRequest(), metadata=auth(), timeout=10).samplers))
         refusals = []
         for name, method, request, metadata, code, detail in bad_calls(stub):
             try:
@@ -245,8 +247,8 @@ def bad_run(tmp_path_factory) -> dict[str, Any]:
             client.xpending(stream, group)["pending"] == 0
             for stream, group in ((tasks, "samplers"), (rollouts, "trainer"))))
         obs["alive"] = {name: proc.poll() for name, proc in stack.processes.items()}
-        obs["health"] = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
-        obs["ledger"] = list(stub.ListBatches(pb.ListBatchesRequest(limit=1000), timeout=10).batches)
+        obs["health"] = stub.GetStatus(pb.GetStatusRequest(), metadata=auth(), timeout=10)
+        obs["ledger"] = list(stub.ListBatches(pb.ListBatchesRequest(limit=1000), metadata=auth(), timeout=10).batches)
         obs["dead_letters"] = [fields for _, fields in client.xrange(stream_key(RUN_ID, "deadletter"))]
     finally:
         if channel is not None:
