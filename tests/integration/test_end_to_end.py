@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import pytest
 import redis
 
 from launcher.run import run
 from rlcommon.metrics import read_jsonl
-from tests.integration.stacks import stack_config
+from tests.integration.stacks import scrape, stack_config
 
 STEPS = 8
 
@@ -27,19 +26,6 @@ def dlcctl(stack, *args: str) -> dict:
     code = dlcctl_main(["--address", stack.address, "--json", *args], out=out, err=err)
     assert code == 0, err.getvalue()
     return json.loads(out.getvalue())
-
-
-def scrape(log_path: Path) -> str:
-    """GET the Prometheus page of a service, whose port (picked free) the service logged at start-up; make run
-    keeps every metrics server on 127.0.0.1, as it keeps the coordinator's gRPC."""
-    import re
-    import urllib.request
-
-    match = re.search(r"prometheus metrics on (\S+):(\d+)/metrics", log_path.read_text())
-    assert match, f"{log_path.name}: no metrics port logged"
-    assert match.group(1) == "127.0.0.1", f"{log_path.name}: metrics bound to {match.group(1)}"
-    with urllib.request.urlopen(f"http://127.0.0.1:{match.group(2)}/metrics", timeout=5) as reply:
-        return reply.read().decode()
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import asyncio
 import re
 import threading
 import time
-import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,7 +18,7 @@ import pytest
 from launcher.run import run
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
-from tests.integration.stacks import dlcctl_batches, stack_config
+from tests.integration.stacks import dlcctl_batches, scrape, stack_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -50,11 +50,9 @@ async def hammer(address: str, stop: threading.Event, codes: Counter, token: str
         await asyncio.gather(*(loop(k) for k in range(IN_FLIGHT)))
 
 
-def scrape_gauges(log_text: str) -> dict[str, float]:
-    port = re.search(r"prometheus metrics on :(\d+)/metrics", log_text)
-    assert port, "the coordinator logged no metrics port"
-    with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10) as reply:
-        page = reply.read().decode()
+def scrape_gauges(log_path: Path) -> dict[str, float]:
+    """The coordinator's Prometheus gauges, by name without the `dlc_coordinator_` prefix."""
+    page = scrape(log_path)
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^dlc_coordinator_(\w+) ([-+.\deE]+)$", page, re.M)}
 
 
@@ -90,7 +88,7 @@ def test_a_read_flood_neither_starves_heartbeats_nor_the_run(tmp_path):
             thread.join(60)
         asyncio.run(asyncio.wait_for(hammer_once(stack.address, anonymous), 30))
         seen["batches"] = dlcctl_batches(stack)
-        seen["gauges"] = scrape_gauges((stack.log_dir / "coordinator.log").read_text())
+        seen["gauges"] = scrape_gauges(stack.log_dir / "coordinator.log")
         seen["coordinator_log"] = (stack.log_dir / "coordinator.log").read_text()
 
     async def hammer_once(address: str, counter: Counter) -> None:
