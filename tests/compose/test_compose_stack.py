@@ -198,13 +198,14 @@ def test_dlcctl_from_the_host_agrees_with_the_trainer(stack):
     status = stack.dlcctl("status")
     assert status["run_id"] == RUN_ID and status["batch_size"] == B and status["group_size"] == G
     assert {s["sampler_id"] for s in status["samplers"]} == {_sampler_id(c) for c in stack.containers("sampler")}
-    # Changing the run needs the token: without it the coordinator refuses a sync trigger.
-    env = {k: v for k, v in stack.env.items() if k != "DLC_TOKEN"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "coordinator.dlcctl", "--address", f"127.0.0.1:{stack.port}", "sync", "--reason", "x"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 1 and "UNAUTHENTICATED" in proc.stderr + proc.stdout
+    # Changing the run needs the write token: the read-only one is PERMISSION_DENIED, none is UNAUTHENTICATED.
+    for dropped, code in ((("DLC_TOKEN",), "PERMISSION_DENIED"), (("DLC_TOKEN", "DLC_DASHBOARD_TOKEN"), "UNAUTHENTICATED")):
+        env = {k: v for k, v in stack.env.items() if k not in dropped}
+        proc = subprocess.run(
+            [sys.executable, "-m", "coordinator.dlcctl", "--address", f"127.0.0.1:{stack.port}", "sync", "--reason", "x"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert proc.returncode == 1 and code in proc.stderr + proc.stdout, (dropped, proc.stderr)
 
 
 def test_the_dashboard_answers_on_this_host_with_the_token(stack):
