@@ -40,6 +40,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from coordinator.dashboard_data import DashboardData
+from rlcommon.rpc import BEARER
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ class DashboardServer:
     def authorized(self, header: str | None) -> bool:
         if not self.tokens:
             return True
-        presented = (header[len("Bearer "):] if header and header.startswith("Bearer ") else "").encode()
+        presented = (header[len(BEARER):] if header and header.startswith(BEARER) else "").encode()
         return any([hmac.compare_digest(presented, token) for token in self.tokens])  # both compared, always
 
     def answer(self, path: str, query: dict[str, list[str]]) -> Any:
