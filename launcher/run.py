@@ -16,6 +16,7 @@ from typing import Any
 import launcher
 from launcher.lifecycle import RunDirInUseError
 from launcher.processes import REPO, ServiceDied, service_died
+from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
 from launcher.stack import LocalStack
 from rlcommon.config import ConfigError, RunConfig, load_config
 from rlcommon.metrics import JsonlFollower, read_jsonl
@@ -56,9 +57,13 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m launcher", description=launcher.__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", default=None, help="TOML config (repeatable; later wins)")
     parser.add_argument("--no-progress", action="store_true", help="per-step lines instead of a progress bar")
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new run in a new folder beside run_dir: <run_dir>-YYYYmmdd-HHMMSS")
     args, rest = parser.parse_known_args(argv)
     paths = args.config or [str(REPO / "configs/default.toml")]
     cfg = load_config(RunConfig, paths, rest)
+    if args.fresh:
+        cfg.run_dir = str(fresh_run_dir(cfg.run_dir))
     if cfg.coordinator.total_batches is None:
         cfg.coordinator.total_batches = cfg.steps
     return cfg, args
@@ -165,10 +170,12 @@ def run(
     `on_progress(stack, rows)` runs at every poll with the metrics rows so far (`rlcommon.metrics.RowWindow`: `len`
     counts them all, the last 1000 can be read); `before_stop(stack)` runs
     once the trainer is done, while the other services are still up (tests query them there).
+    RunFinishedError, before anything starts, when `cfg.run_dir` holds a run that trained `cfg.steps` already.
     """
     from launcher.plots import plot_run
 
     global _stopping
+    check_not_finished(cfg.run_dir, cfg.steps)
     started = time.monotonic()
     stack = LocalStack(cfg)
     progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar)
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotFoundError as err:
         logger.error("%s", err)
         return 2
-    except RunDirInUseError as err:
+    except (RunDirInUseError, RunFinishedError) as err:
         logger.error("%s", err)
         return 1
     except ServiceDied as err:
