@@ -19,6 +19,7 @@ from launcher.processes import REPO, ServiceDied, service_died
 from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
 from launcher.stack import LocalStack
 from rlcommon.config import ConfigError, RunConfig, load_config
+from rlcommon.logs import process_started_monotonic
 from rlcommon.metrics import JsonlFollower, read_jsonl
 from rlcommon.rpc import CoordinatorClient
 
@@ -108,10 +109,10 @@ def dead_letter_count(redis_url: str, run_id: str) -> int:
 class Progress:
     """A progress bar (or per-step lines) fed from the trainer's metrics.jsonl."""
 
-    def __init__(self, *, total: int, metrics_path: Path, bar: bool) -> None:
+    def __init__(self, *, total: int, metrics_path: Path, bar: bool, started_at: float | None = None) -> None:
         self.metrics_path = metrics_path
         self._follower = JsonlFollower(metrics_path)
-        self.started_at = time.time()
+        self.started_at = time.time() if started_at is None else started_at
         self.first_step_s: float | None = None
         """Seconds from the launcher's start to the first step trained after it (rows carry their wall time;
         a resumed run's older rows do not count)."""
@@ -164,6 +165,7 @@ def run(
     progress_bar: bool = True,
     before_stop: Callable[[LocalStack], None] | None = None,
     on_progress: Callable[[LocalStack, list[dict[str, Any]]], None] | None = None,
+    started_monotonic: float | None = None,
 ) -> dict[str, Any]:
     """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content.
 
@@ -171,14 +173,18 @@ def run(
     counts them all, the last 1000 can be read); `before_stop(stack)` runs
     once the trainer is done, while the other services are still up (tests query them there).
     RunFinishedError, before anything starts, when `cfg.run_dir` holds a run that trained `cfg.steps` already.
+    `started_monotonic`: the launcher's start (time.monotonic(); default: now), which the timeline lines and
+    `first_step_seconds` count from.
     """
     from launcher.plots import plot_run
 
     global _stopping
     check_not_finished(cfg.run_dir, cfg.steps)
-    started = time.monotonic()
-    stack = LocalStack(cfg)
-    progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar)
+    started = time.monotonic() if started_monotonic is None else started_monotonic
+    stack = LocalStack(cfg, started_monotonic=started)
+    stack.timeline("run folder checked")
+    progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar,
+                        started_at=time.time() - (time.monotonic() - started))
     try:
         stack.start()
         progress.write(f"dashboard: {stack.dashboard_url}")
@@ -195,6 +201,7 @@ def run(
                 raise service_died(stack.processes[stopped[0]], 0, f" with {len(rows)} of {cfg.steps} steps "
                                    "trained; a clean exit is not restarted (compose's `restart: on-failure`)")
             time.sleep(0.5)
+        stack.timeline("trainer done (exited)")
         progress.update()
         rows = read_jsonl(stack.run_dir / "metrics.jsonl")  # every row, once, for the summary and plots
         snapshot = coordinator_snapshot(stack.client)
@@ -204,7 +211,9 @@ def run(
     finally:
         _stopping = True  # a signal from now on must not cut the stop short
         progress.close()
+        stack.timeline("stopping the services")
         stack.stop()
+        stack.timeline("services stopped")
     snapshot["wall_seconds"] = round(time.monotonic() - started, 1)
     snapshot["first_step_seconds"] = None if progress.first_step_s is None else round(progress.first_step_s, 1)
     trainer_state_path = stack.run_dir / "trainer_state.json"
@@ -215,6 +224,7 @@ def run(
     plots = plot_run(rows=rows, syncs=summary["syncs"], out_dir=stack.run_dir / "plots",
                      ess_threshold=cfg.coordinator.ess_threshold)
     logger.info("plots: %s", ", ".join(str(p) for p in plots))
+    stack.timeline("summary and plots written")
     return summary
 
 
@@ -245,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlcommon.models import ModelNotFoundError
 
     try:
-        summary = run(cfg, progress_bar=not args.no_progress and sys.stderr.isatty())
+        summary = run(cfg, progress_bar=not args.no_progress and sys.stderr.isatty(),
+                      started_monotonic=process_started_monotonic())
     except ModelNotFoundError as err:
         logger.error("%s", err)
         return 2

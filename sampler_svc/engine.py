@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlcommon.config import SamplerConfig, SamplingConfig
+from rlcommon.logs import timeline
 from rlcommon.tokenizer import TextTokenizer, load_tokenizer
 from rlcommon.weight_store import load_version
 from sampler_svc.vllm_worker import WORKER_EXTENSION
@@ -181,10 +182,12 @@ class SamplerEngine:
             raise EngineError("SamplerEngine.start() called twice")
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model folder {self.model_dir} has no config.json")
+        timeline(logger, "importing vLLM")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        timeline(logger, "vLLM imported")
         sampler = self.sampler_cfg
         self._tokenizer = load_tokenizer(self.model_dir)
         execution = execution_settings(sampler, on_cpu=current_platform.is_cpu())
@@ -206,6 +209,7 @@ class SamplerEngine:
         started = time.perf_counter()
         self._gate = _VersionGate()
         self._llm = AsyncLLM.from_engine_args(args)
+        timeline(logger, "vLLM engine core up (model loaded, KV cache allocated, warmed up)")
         try:
             self.vocab_size = self._llm.model_config.get_vocab_size()
             self.topk = min(self.sampling_cfg.logprobs_topk, self.vocab_size)
