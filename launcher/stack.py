@@ -239,14 +239,18 @@ class LocalStack:
             proc.terminate()
         if trainer is not None:
             trainer.wait_stopped(deadline)
+            self.timeline("trainer stopped")
         if coordinator is not None:
             coordinator.terminate()
             coordinator_deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in samplers:
             proc.wait_stopped(deadline)
+        self.timeline("samplers stopped")
         if coordinator is not None:
             coordinator.wait_stopped(coordinator_deadline)
+            self.timeline("coordinator stopped")
         self.client.close()
         if self.redis_server is not None:
             self.redis_server.stop()
+            self.timeline("redis-server stopped")
         self.lock.release()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import os
@@ -145,6 +146,28 @@ def execution_settings(sampler: SamplerConfig, *, on_cpu: bool) -> dict[str, Any
     }
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_CACHE_FIT_MIN_BYTES = 16 * 2**20
+"""The least `kv_cache_gib = "fit"` gives (a few blocks of vLLM's own besides the sequences')."""
+
+
+def fitted_kv_cache_bytes(model_config: dict[str, Any], *, dtype: str, sequences: int, max_model_len: int) -> int:
+    """The KV cache that holds `sequences` sequences of `max_model_len` tokens of the model whose config.json is
+    `model_config`: keys and values of every layer, in the engine's `dtype` ("auto": the model's), plus an
+    eighth, rounded up to MiB; at least KV_CACHE_FIT_MIN_BYTES. On CPU vLLM zeroes the whole cache when it
+    starts (about 0.5-2 s per GiB here): sized so, the tiny model's needs 32 MiB instead of a fixed 1 GiB."""
+    if sequences < 1:
+        raise ValueError(f"sequences must be >= 1, got {sequences}")
+    layers = int(model_config["num_hidden_layers"])
+    kv_heads = int(model_config.get("num_key_value_heads") or model_config["num_attention_heads"])
+    head_dim = int(model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"])
+    if dtype == "auto":
+        dtype = str(model_config.get("dtype") or model_config.get("torch_dtype") or "float32")
+    per_token = 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+    needed = per_token * sequences * max_model_len * 9 // 8
+    return max(KV_CACHE_FIT_MIN_BYTES, -(-needed // 2**20) * 2**20)
+
+
 class SamplerEngine:
     """vLLM `AsyncLLM` with token-id prompts, processed logprobs, top-K rows and versioned weight swaps.
 
@@ -159,13 +182,17 @@ class SamplerEngine:
         sampler: SamplerConfig,
         sampling: SamplingConfig,
         weight_version: int = 0,
+        max_sequences: int = 64,
     ) -> None:
+        """`max_sequences`: the sequences it runs at once (its tasks x samples each), which a `kv_cache_gib` of
+        `fit` sizes the KV cache for."""
         if weight_version < 0:
             raise ValueError(f"weight_version must be >= 0, got {weight_version}")
         self.model_dir = Path(model_dir)
         self.sampler_cfg = sampler
         self.sampling_cfg = sampling
         self._weight_version = weight_version
+        self.max_sequences = max_sequences
         self._llm: AsyncLLM | None = None
         self._gate: _VersionGate | None = None
         self._broken: BaseException | None = None
@@ -192,11 +219,20 @@ class SamplerEngine:
         self._tokenizer = load_tokenizer(self.model_dir)
         execution = execution_settings(sampler, on_cpu=current_platform.is_cpu())
         os.environ.update(execution["env"])  # read when the engine checks its config (and by its engine core)
+        kv_cache_bytes = None
+        if sampler.kv_cache_gib == "fit":
+            model_config = json.loads((self.model_dir / "config.json").read_text())
+            kv_cache_bytes = fitted_kv_cache_bytes(model_config, dtype=sampler.dtype, sequences=self.max_sequences,
+                                                   max_model_len=sampler.max_model_len)
+            logger.info("KV cache fitted to %d sequences of %d tokens: %.1f MiB", self.max_sequences,
+                        sampler.max_model_len, kv_cache_bytes / 2**20)
+        elif sampler.kv_cache_gib is not None:
+            kv_cache_bytes = int(sampler.kv_cache_gib * 2**30)
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=sampler.dtype,
             gpu_memory_utilization=sampler.gpu_memory_utilization,
-            kv_cache_memory_bytes=None if sampler.kv_cache_gib is None else int(sampler.kv_cache_gib * 2**30),
+            kv_cache_memory_bytes=kv_cache_bytes,
             max_model_len=sampler.max_model_len,
             logprobs_mode="processed_logprobs",
             max_logprobs=self.sampling_cfg.logprobs_topk,
