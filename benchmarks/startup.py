@@ -1,20 +1,23 @@
 """Where the first seconds of `make run` go, and its last: a timeline of the launcher and of every service.
 
-    python -m benchmarks.startup [--steps 20] [--runs 2] [--out runs/bench-startup] [--json] [dotted config flags]
+    python -m benchmarks.startup [--steps 20] [--runs 2] [--out runs/bench-startup] [--repo DIR ...] [--json]
+                                 [dotted config flags]
 
 Runs `python -m launcher` (what `make run` runs) `--runs` times, one after the other, each in a fresh folder
 `<out>/run-YYYYmmdd-HHMMSS/`, for `--steps` steps. Then reads the `timeline +S s: <what>` lines (rlcommon/logs.py)
 that the launcher and each service log, all counted from the launcher process's start, and vLLM's own durations
 from the sampler's log (its engine core logs them: weights loaded, model loaded, "init engine": profiling, KV cache
 allocation and warm-up). Prints, for the last run, a table of the milestones in time order, one column per process,
-and for every run: the first step, the last step, the stop (from the last step to the summary and plots written)
-and the launcher's exit, in seconds after its start. `--json` prints them as JSON instead.
+and for every run: the first step, the last step (the metrics rows' wall times) and the launcher's exit, in seconds
+after the launcher's start, and the stop (exit - last step). `--repo` times another checkout's launcher (the same
+model cache), alternating with the others given: commits side by side in one session.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,6 +27,7 @@ from typing import Any
 
 from benchmarks.pipeline import fresh_bench_folder
 from rlcommon.logs import TIMELINE_PREFIX
+from rlcommon.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TIMELINE = re.compile(re.escape(TIMELINE_PREFIX) + r"(-?\d+\.\d+) s: (.*)$")
@@ -59,21 +63,13 @@ def vllm_durations(text: str) -> dict[str, float]:
     return found
 
 
-def figures(marks: list[dict[str, Any]], exit_s: float) -> dict[str, float | None]:
-    """First step, last step, stop and exit (seconds after the launcher's start) from a run's marks."""
-
-    def first(process: str, prefix: str) -> float | None:
-        return next((m["t"] for m in marks if m["process"] == process and m["what"].startswith(prefix)), None)
-
-    last_step = first("trainer", "last step trained")
-    written = first("launcher", "summary and plots written")
-    return {
-        "first_step_s": first("trainer", "first step trained"),
-        "last_step_s": last_step,
-        "stop_s": None if last_step is None or written is None else written - last_step,
-        "exit_s": exit_s,
-        "exit_after_last_step_s": None if last_step is None else exit_s - last_step,
-    }
+def figures(step_times: list[float], *, started: float, exit_s: float) -> dict[str, float | None]:
+    """First step, last step and the launcher's exit, in seconds after the launcher's start (`started`, wall
+    time), from the metrics rows' wall times (`step_times`): any version of the launcher can be timed so."""
+    first_step = step_times[0] - started if step_times else None
+    last_step = step_times[-1] - started if step_times else None
+    return {"first_step_s": first_step, "last_step_s": last_step, "exit_s": exit_s,
+            "stop_s": None if last_step is None else exit_s - last_step}
 
 
 def table(marks: list[dict[str, Any]]) -> str:
@@ -86,15 +82,17 @@ def table(marks: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_once(folder: Path, *, steps: int, overrides: list[str]) -> dict[str, Any]:
-    """`python -m launcher` in `folder` for `steps` steps; its marks, vLLM's durations and the figures."""
+def run_once(folder: Path, *, steps: int, overrides: list[str], repo: Path = REPO) -> dict[str, Any]:
+    """`python -m launcher` of the checkout `repo` in `folder` for `steps` steps; its marks, vLLM's durations
+    and the figures."""
     run_dir = folder / "run"
     out_path = folder / "launcher.out"
     argv = [sys.executable, "-m", "launcher", "--no-progress", "--steps", str(steps), "--run-dir", str(run_dir),
-            *overrides]
+            f"--model.cache_dir={REPO / '.cache/models'}", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
     with out_path.open("wb") as out:
-        started = time.monotonic()
-        code = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
+        started_wall, started = time.time(), time.monotonic()
+        code = subprocess.run(argv, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
         exit_s = time.monotonic() - started
     if code != 0:
         raise RuntimeError(f"the launcher exited with {code}: {out_path}\n{out_path.read_text()[-3000:]}")
@@ -106,7 +104,9 @@ def run_once(folder: Path, *, steps: int, overrides: list[str]) -> dict[str, Any
         if path.stem.startswith("sampler"):
             durations.update(vllm_durations(text))
     marks.sort(key=lambda m: m["t"])
-    return {"folder": str(folder), "marks": marks, "vllm_durations_s": durations, **figures(marks, exit_s)}
+    step_times = [row["time"] for row in read_jsonl(run_dir / "metrics.jsonl")]
+    return {"folder": str(folder), "repo": str(repo), "marks": marks, "vllm_durations_s": durations,
+            **figures(step_times, started=started_wall, exit_s=exit_s)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,13 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps of each run")
     parser.add_argument("--runs", type=int, default=2, help="runs, one after the other (the first warms caches)")
     parser.add_argument("--out", default="runs/bench-startup", help="each run goes to a new <out>/run-<time>/")
+    parser.add_argument("--repo", action="append", type=Path, default=None,
+                        help="time the launcher of this checkout (repeatable: the runs alternate between them, "
+                             "to compare commits side by side); default: this one")
     parser.add_argument("--json", action="store_true", help="print the JSON only")
     args, overrides = parser.parse_known_args(argv)
+    repos = [path.resolve() for path in args.repo or [REPO]]
     results = []
-    for index in range(args.runs):
+    for index in range(args.runs * len(repos)):
+        repo = repos[index % len(repos)]
         folder = fresh_bench_folder(Path(args.out).resolve())
-        log(f"run {index + 1} of {args.runs}: python -m launcher --steps {args.steps} in {folder}")
-        results.append(run_once(folder, steps=args.steps, overrides=overrides))
+        log(f"run {index + 1} of {args.runs * len(repos)}: python -m launcher --steps {args.steps} of {repo} "
+            f"in {folder}")
+        results.append(run_once(folder, steps=args.steps, overrides=overrides, repo=repo))
         (folder / "startup.json").write_text(json.dumps(results[-1], indent=2) + "\n")
     if args.json:
         print(json.dumps(results))
@@ -130,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, seconds in results[-1]["vllm_durations_s"].items():
         print(f"{name}: {seconds:.2f} s")
     print()
-    print("| run | first step (s) | last step (s) | stop: last step to summary + plots (s) | launcher exit (s) |")
-    print("|---|---|---|---|---|")
+    print("| run | checkout | first step (s) | last step (s) | launcher exit (s) | stop: exit - last step (s) |")
+    print("|---|---|---|---|---|---|")
     for index, result in enumerate(results, 1):
-        cells = [result[k] for k in ("first_step_s", "last_step_s", "stop_s", "exit_s")]
-        print(f"| {index} | " + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
+        cells = [result[k] for k in ("first_step_s", "last_step_s", "exit_s", "stop_s")]
+        print(f"| {index} | {result['repo']} | " + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
     return 0
 
 

@@ -24,7 +24,7 @@ def test_timeline_lines_count_from_the_launchers_start_and_parse_back(monkeypatc
     assert {m["process"] for m in marks} == {"sampler-0"}
 
 
-def test_the_table_puts_each_mark_in_its_process_column_in_time_order():
+def test_the_table_puts_each_mark_in_its_process_column_in_time_order_and_steps_are_timed_from_the_start():
     marks = [{"t": 3.0, "process": "trainer", "what": "first step trained (step 0)"},
              {"t": 0.5, "process": "launcher", "what": "redis-server up"},
              {"t": 9.0, "process": "trainer", "what": "last step trained (step 9)"},
@@ -33,9 +33,8 @@ def test_the_table_puts_each_mark_in_its_process_column_in_time_order():
     assert lines[0] == "| s | launcher | trainer |"
     assert lines[2] == "| 0.50 | redis-server up |  |"
     assert lines[3] == "| 3.00 |  | first step trained (step 0) |"
-    result = figures(marks, exit_s=10.0)
-    assert result["first_step_s"] == 3.0 and result["last_step_s"] == 9.0
-    assert result["stop_s"] == pytest.approx(0.6) and result["exit_after_last_step_s"] == pytest.approx(1.0)
+    result = figures([1003.0, 1005.0, 1009.0], started=1000.0, exit_s=10.0)
+    assert result == {"first_step_s": 3.0, "last_step_s": 9.0, "exit_s": 10.0, "stop_s": 1.0}
 
 
 def test_vllms_own_durations_are_read_from_the_sampler_log():
