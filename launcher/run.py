@@ -24,6 +24,8 @@ from rlcommon.metrics import JsonlFollower, read_jsonl
 from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
+POLL_S = 0.5
+"""How often the run loop looks at the metrics and the services (it wakes at once when the trainer exits)."""
 
 
 def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: dict[str, Any], trainer_state: dict[str, Any],
@@ -176,7 +178,7 @@ def run(
     `started_monotonic`: the launcher's start (time.monotonic(); default: now), which the timeline lines and
     `first_step_seconds` count from.
     """
-    from launcher.plots import plot_run
+    from launcher.plots import plot_run_in_background
 
     global _stopping
     check_not_finished(cfg.run_dir, cfg.steps)
@@ -200,7 +202,7 @@ def run(
             if stopped:
                 raise service_died(stack.processes[stopped[0]], 0, f" with {len(rows)} of {cfg.steps} steps "
                                    "trained; a clean exit is not restarted (compose's `restart: on-failure`)")
-            time.sleep(0.5)
+            stack.wait_exited("trainer", POLL_S)  # a poll every POLL_S, and at once when the trainer is done
         stack.timeline("trainer done (exited)")
         progress.update()
         rows = read_jsonl(stack.run_dir / "metrics.jsonl")  # every row, once, for the summary and plots
@@ -208,6 +210,9 @@ def run(
         snapshot["dead_letters"] = dead_letter_count(stack.redis_url, cfg.bus.run_id)
         if before_stop is not None:
             before_stop(stack)
+        # drawn while the services stop (they wait on their processes, not on the CPU)
+        plots = plot_run_in_background(rows=rows, syncs=snapshot["syncs"], out_dir=stack.run_dir / "plots",
+                                       ess_threshold=cfg.coordinator.ess_threshold)
     finally:
         _stopping = True  # a signal from now on must not cut the stop short
         progress.close()
@@ -221,9 +226,7 @@ def run(
     summary = build_summary(cfg=cfg, rows=rows, coordinator=snapshot, trainer_state=trainer_state,
                             restarts=stack.restarts)
     (stack.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plots = plot_run(rows=rows, syncs=summary["syncs"], out_dir=stack.run_dir / "plots",
-                     ess_threshold=cfg.coordinator.ess_threshold)
-    logger.info("plots: %s", ", ".join(str(p) for p in plots))
+    logger.info("plots: %s", ", ".join(str(p) for p in plots.result()))
     stack.timeline("summary and plots written")
     return summary
 

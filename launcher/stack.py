@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -163,6 +164,16 @@ class LocalStack:
         if name == "coordinator":
             wait_for_coordinator(self.client, timeout_s=120, watch=[proc])
         return proc
+
+    def wait_exited(self, name: str, timeout_s: float) -> None:
+        """Return once service `name` has exited, or after `timeout_s` (a plain wait when the stack has no such
+        service)."""
+        proc = self.processes.get(name)
+        if proc is None:
+            time.sleep(timeout_s)
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.process.wait(timeout=timeout_s)
 
     def check_alive(self) -> None:
         check_alive(list(self.processes.values()))

@@ -146,6 +146,10 @@ def execution_settings(sampler: SamplerConfig, *, on_cpu: bool) -> dict[str, Any
     }
 
 
+ENGINE_STOP_TIMEOUT_S = 1.0
+"""How long the engine-core process may take to exit after SIGTERM before it is killed. vLLM's default (5 s) was
+all spent on CPU: the process stays in its teardown after leaving its loop. It holds nothing to save (the weights
+are files, the requests are redelivered)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_CACHE_FIT_MIN_BYTES = 16 * 2**20
 """The least `kv_cache_gib = "fit"` gives (a few blocks of vLLM's own besides the sequences')."""
@@ -273,10 +277,11 @@ class SamplerEngine:
         return self
 
     async def stop(self) -> None:
-        """Shut the vLLM engine (and its engine-core process) down. Safe to call twice."""
+        """Shut the vLLM engine (and its engine-core process) down, killing that process if it is still there
+        ENGINE_STOP_TIMEOUT_S later. Safe to call twice."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            llm.shutdown()
+            llm.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
             logger.info("vLLM engine stopped")
 
     async def __aenter__(self) -> SamplerEngine:
