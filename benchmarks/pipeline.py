@@ -19,8 +19,10 @@
 4. `separate_devices_model`: what these figures predict with the trainer and the samplers on devices of their
    own (GPUs): `separate_devices` below.
 
-Writes `<out>/pipeline.json` and `<out>/breakdown.png` (stacked bars of seconds per step by stage) and
-prints the JSON (`--json`) or a summary. Progress lines go to stderr.
+Every invocation starts from a fresh folder, `<out>/run-YYYYmmdd-HHMMSS/` (its run folders `pipeline-run/` and
+`inprocess/`, `pipeline.json` and `breakdown.png`: stacked bars of seconds per step by stage), so a second
+invocation never resumes the first's run and earlier results stay beside the new ones. Prints the JSON
+(`--json`) or a summary. Progress lines go to stderr.
 """
 
 from __future__ import annotations
@@ -148,6 +150,20 @@ def plot_breakdown(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def fresh_bench_folder(out: Path) -> Path:
+    """A new folder under `out` for one invocation's runs and results: `<out>/run-YYYYmmdd-HHMMSS` (created)."""
+    from launcher.run_folder import fresh_run_dir
+
+    out.mkdir(parents=True, exist_ok=True)
+    while True:
+        folder = fresh_run_dir(out / "run")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:  # another invocation took it since
+            continue
+
+
 def main(argv: list[str] | None = None) -> int:
     from launcher.run import parse_args
 
@@ -155,13 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="measured steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=10, help="steps before the measurement")
     parser.add_argument("--threads", default="1,2", help="torch thread counts of the in-process loop")
-    parser.add_argument("--out", default="runs/bench-pipeline", help="folder of the runs, the JSON and the PNG")
+    parser.add_argument("--out", default="runs/bench-pipeline",
+                        help="each invocation's runs, JSON and PNG go to a new <out>/run-YYYYmmdd-HHMMSS/")
     parser.add_argument("--no-pipeline", action="store_true")
     parser.add_argument("--no-inprocess", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the JSON only")
     args, rest = parser.parse_known_args(argv)
-    out = Path(args.out).resolve()
-    result: dict[str, Any] = {"command": "python -m benchmarks.pipeline " + " ".join(argv or sys.argv[1:])}
+    out = fresh_bench_folder(Path(args.out).resolve())
+    log(f"runs and results: {out}")
+    result: dict[str, Any] = {"command": "python -m benchmarks.pipeline " + " ".join(argv or sys.argv[1:]),
+                              "folder": str(out)}
     if not args.no_pipeline:
         cfg, _ = parse_args([*rest, f"--run_dir={out / 'pipeline-run'}", "--bus.run_id=bench-pipeline"])
         result["config"] = {"batch_size": cfg.coordinator.batch_size, "group_size": cfg.coordinator.group_size,
@@ -198,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
         result["separate_devices_model"] = separate_devices(
             sample_s=loop["sample_s"], train_s=loop["train_s"],
             trainer_overhead_s=sum(v for k, v in stages.items() if k not in ("wait", "train")))
-    out.mkdir(parents=True, exist_ok=True)
     result["plot"] = str(plot_breakdown(result, out / "breakdown.png"))
     (out / "pipeline.json").write_text(json.dumps(result, indent=2) + "\n")
     if args.json:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rlcommon.config import RunConfig
 from rlcommon.entrypoint import EXIT_OK, run_service, stop_event
+from rlcommon.logs import timeline
 
 logger = logging.getLogger("coordinator")
 
@@ -57,6 +58,7 @@ async def serve(cfg: RunConfig) -> int:
         server = CoordinatorServer(cfg, coordinator, metrics=metrics)
         stopping = stop_event()
         await server.start()
+        timeline(logger, "coordinator serving")
         await stopping.wait()
         logger.info("signal received: stopping")
         await server.stop()

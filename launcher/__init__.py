@@ -1,13 +1,14 @@
 """Local launcher (`make run`): the whole stack on this machine, with the same entrypoints and the same
 `DLC_*` settings as docker compose.
 
-    python -m launcher [--config configs/default.toml] [--steps N] [--run-dir DIR] [--a.b VALUE ...]
+    python -m launcher [--config configs/default.toml] [--steps N] [--run-dir DIR | --fresh] [--a.b VALUE ...]
 
 Builds the model if missing, starts its own redis-server (unless `redis.url` is set), then the
 coordinator, `num_samplers` samplers and the trainer as processes, each logging to `<run_dir>/logs/`.
 Shows a progress bar until the trainer has trained `steps` batches, then writes `summary.json` and the
 plots, and stops everything. Ctrl-C stops every service; starting again with the same `--run-dir` resumes
-the run (Redis's append-only file, the coordinator's state, the trainer's checkpoint).
+the run (Redis's append-only file, the coordinator's state, the trainer's checkpoint); a finished one is refused
+before anything starts (`run_folder`: `--fresh` picks a new folder).
 
 A service that crashes is restarted as docker compose's `restart:` would (`RESTART_POLICY`, from
 docker-compose.yml): a sampler or the trainer on a non-zero exit (or a signal), the coordinator on any
@@ -19,5 +20,6 @@ and where its log is. Every child dies with the launcher, however it dies; one l
 
 Modules: `processes` (one service as a process; compose's restart rule), `stack` (`LocalStack`, the whole
 stack, which the integration tests drive too), `lifecycle` (children that die with the launcher; the run
-folder's lock), `run` (the run loop, progress, summary.json), `plots`.
+folder's lock), `run` (the run loop, progress, summary.json), `run_folder` (a finished run refused, `--fresh`),
+`plots`.
 """

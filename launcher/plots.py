@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,13 @@ def plot_run(
             ("staleness_steps_max", "max (trainer steps)")])
     figure("response_length", "Mean response length", "tokens", [("response_length_mean", "response length")])
     return written
+
+
+def plot_run_in_background(**kwargs: Any) -> Future[list[Path]]:
+    """`plot_run(**kwargs)` in a thread of its own (the launcher draws while the services stop): the future's
+    `result()` waits for the paths (or raises what the drawing raised)."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
+    try:
+        return executor.submit(plot_run, **kwargs)
+    finally:
+        executor.shutdown(wait=False)

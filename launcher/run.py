@@ -16,12 +16,16 @@ from typing import Any
 import launcher
 from launcher.lifecycle import RunDirInUseError
 from launcher.processes import REPO, ServiceDied, service_died
+from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
 from launcher.stack import LocalStack
 from rlcommon.config import ConfigError, RunConfig, load_config
+from rlcommon.logs import process_started_monotonic
 from rlcommon.metrics import JsonlFollower, read_jsonl
 from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
+POLL_S = 0.5
+"""How often the run loop looks at the metrics and the services (it wakes at once when the trainer exits)."""
 
 
 def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: dict[str, Any], trainer_state: dict[str, Any],
@@ -56,9 +60,13 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m launcher", description=launcher.__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", default=None, help="TOML config (repeatable; later wins)")
     parser.add_argument("--no-progress", action="store_true", help="per-step lines instead of a progress bar")
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new run in a new folder beside run_dir: <run_dir>-YYYYmmdd-HHMMSS")
     args, rest = parser.parse_known_args(argv)
     paths = args.config or [str(REPO / "configs/default.toml")]
     cfg = load_config(RunConfig, paths, rest)
+    if args.fresh:
+        cfg.run_dir = str(fresh_run_dir(cfg.run_dir))
     if cfg.coordinator.total_batches is None:
         cfg.coordinator.total_batches = cfg.steps
     return cfg, args
@@ -103,10 +111,10 @@ def dead_letter_count(redis_url: str, run_id: str) -> int:
 class Progress:
     """A progress bar (or per-step lines) fed from the trainer's metrics.jsonl."""
 
-    def __init__(self, *, total: int, metrics_path: Path, bar: bool) -> None:
+    def __init__(self, *, total: int, metrics_path: Path, bar: bool, started_at: float | None = None) -> None:
         self.metrics_path = metrics_path
         self._follower = JsonlFollower(metrics_path)
-        self.started_at = time.time()
+        self.started_at = time.time() if started_at is None else started_at
         self.first_step_s: float | None = None
         """Seconds from the launcher's start to the first step trained after it (rows carry their wall time;
         a resumed run's older rows do not count)."""
@@ -159,19 +167,26 @@ def run(
     progress_bar: bool = True,
     before_stop: Callable[[LocalStack], None] | None = None,
     on_progress: Callable[[LocalStack, list[dict[str, Any]]], None] | None = None,
+    started_monotonic: float | None = None,
 ) -> dict[str, Any]:
     """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content.
 
     `on_progress(stack, rows)` runs at every poll with the metrics rows so far (`rlcommon.metrics.RowWindow`: `len`
     counts them all, the last 1000 can be read); `before_stop(stack)` runs
     once the trainer is done, while the other services are still up (tests query them there).
+    RunFinishedError, before anything starts, when `cfg.run_dir` holds a run that trained `cfg.steps` already.
+    `started_monotonic`: the launcher's start (time.monotonic(); default: now), which the timeline lines and
+    `first_step_seconds` count from.
     """
-    from launcher.plots import plot_run
+    from launcher.plots import plot_run_in_background
 
     global _stopping
-    started = time.monotonic()
-    stack = LocalStack(cfg)
-    progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar)
+    check_not_finished(cfg.run_dir, cfg.steps)
+    started = time.monotonic() if started_monotonic is None else started_monotonic
+    stack = LocalStack(cfg, started_monotonic=started)
+    stack.timeline("run folder checked")
+    progress = Progress(total=cfg.steps, metrics_path=stack.run_dir / "metrics.jsonl", bar=progress_bar,
+                        started_at=time.time() - (time.monotonic() - started))
     try:
         stack.start()
         progress.write(f"dashboard: {stack.dashboard_url}")
@@ -187,17 +202,23 @@ def run(
             if stopped:
                 raise service_died(stack.processes[stopped[0]], 0, f" with {len(rows)} of {cfg.steps} steps "
                                    "trained; a clean exit is not restarted (compose's `restart: on-failure`)")
-            time.sleep(0.5)
+            stack.wait_exited("trainer", POLL_S)  # a poll every POLL_S, and at once when the trainer is done
+        stack.timeline("trainer done (exited)")
         progress.update()
         rows = read_jsonl(stack.run_dir / "metrics.jsonl")  # every row, once, for the summary and plots
         snapshot = coordinator_snapshot(stack.client)
         snapshot["dead_letters"] = dead_letter_count(stack.redis_url, cfg.bus.run_id)
         if before_stop is not None:
             before_stop(stack)
+        # drawn while the services stop (they wait on their processes, not on the CPU)
+        plots = plot_run_in_background(rows=rows, syncs=snapshot["syncs"], out_dir=stack.run_dir / "plots",
+                                       ess_threshold=cfg.coordinator.ess_threshold)
     finally:
         _stopping = True  # a signal from now on must not cut the stop short
         progress.close()
+        stack.timeline("stopping the services")
         stack.stop()
+        stack.timeline("services stopped")
     snapshot["wall_seconds"] = round(time.monotonic() - started, 1)
     snapshot["first_step_seconds"] = None if progress.first_step_s is None else round(progress.first_step_s, 1)
     trainer_state_path = stack.run_dir / "trainer_state.json"
@@ -205,9 +226,8 @@ def run(
     summary = build_summary(cfg=cfg, rows=rows, coordinator=snapshot, trainer_state=trainer_state,
                             restarts=stack.restarts)
     (stack.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plots = plot_run(rows=rows, syncs=summary["syncs"], out_dir=stack.run_dir / "plots",
-                     ess_threshold=cfg.coordinator.ess_threshold)
-    logger.info("plots: %s", ", ".join(str(p) for p in plots))
+    logger.info("plots: %s", ", ".join(str(p) for p in plots.result()))
+    stack.timeline("summary and plots written")
     return summary
 
 
@@ -238,11 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     from rlcommon.models import ModelNotFoundError
 
     try:
-        summary = run(cfg, progress_bar=not args.no_progress and sys.stderr.isatty())
+        summary = run(cfg, progress_bar=not args.no_progress and sys.stderr.isatty(),
+                      started_monotonic=process_started_monotonic())
     except ModelNotFoundError as err:
         logger.error("%s", err)
         return 2
-    except RunDirInUseError as err:
+    except (RunDirInUseError, RunFinishedError) as err:
         logger.error("%s", err)
         return 1
     except ServiceDied as err:

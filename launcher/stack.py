@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from launcher.processes import (
     wait_for_coordinator,
 )
 from rlcommon.config import RunConfig, dump_toml
+from rlcommon.logs import STARTED_ENV, TIMELINE_PREFIX
 from rlcommon.rpc import CoordinatorClient
 
 REDIS_START_TIMEOUT_S = 120.0
@@ -53,7 +55,7 @@ class LocalStack:
     (launcher/lifecycle.py: a second stack on the folder is refused, naming the holder), `stop` releases it.
     """
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, started_monotonic: float | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir).resolve()
         self.log_dir = self.run_dir / "logs"
@@ -77,6 +79,8 @@ class LocalStack:
         self.restarts: dict[str, int] = {}
         """Restarts of each service by `restart_exited` (only the services restarted; redis-server as `redis`)."""
         self.lock = RunDirLock(self.run_dir)
+        self.started_monotonic = time.monotonic() if started_monotonic is None else started_monotonic
+        """The launcher's start (default: now): the timeline lines count from it (rlcommon/logs.py)."""
 
     def start(self, *, hold: tuple[str, ...] = ()) -> LocalStack:
         """Start redis-server (if embedded), the coordinator and every other service except those in `hold` (a
@@ -89,6 +93,7 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         logger.info("model: %s", self.cfg.model.name_or_path)
         model_dir = resolve_model(self.cfg.model, self.cfg.task)
+        self.timeline("model resolved")
         config_path = self.run_dir / "config.toml"
         write_private(config_path, dump_toml(self.cfg))  # holds the token (and a redis.url's password)
         redis_urls = None
@@ -99,6 +104,7 @@ class LocalStack:
                                               start_timeout_s=REDIS_START_TIMEOUT_S).start()
             self.redis_url = self.redis_server.url  # admin: the launcher's and the tests' own reads
             redis_urls = {user: self.redis_server.url_for(user) for user in SERVICE_USERS}
+            self.timeline("redis-server up")
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
                               model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls,
                               dashboard_port=self.dashboard_port, dashboard_token=self.dashboard_token)
@@ -110,10 +116,17 @@ class LocalStack:
         for name in self.specs:
             if name != "coordinator" and name not in hold:
                 self.start_service(name)
+        self.timeline("services spawned")
         wait_for_coordinator(self.client, timeout_s=120, watch=list(self.processes.values()))
+        self.timeline("coordinator serves (health check)")
         return self
 
+    def timeline(self, what: str) -> None:
+        """A milestone of the launcher, counted from its start (rlcommon/logs.py)."""
+        logger.info("%s%.3f s: %s", TIMELINE_PREFIX, time.monotonic() - self.started_monotonic, what)
+
     def start_service(self, name: str) -> ServiceProcess:
+        self.specs[name].env[STARTED_ENV] = repr(self.started_monotonic)
         proc = ServiceProcess(self.specs[name], self.log_dir)
         self.processes[name] = proc
         return proc
@@ -151,6 +164,16 @@ class LocalStack:
         if name == "coordinator":
             wait_for_coordinator(self.client, timeout_s=120, watch=[proc])
         return proc
+
+    def wait_exited(self, name: str, timeout_s: float) -> None:
+        """Return once service `name` has exited, or after `timeout_s` (a plain wait when the stack has no such
+        service)."""
+        proc = self.processes.get(name)
+        if proc is None:
+            time.sleep(timeout_s)
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.process.wait(timeout=timeout_s)
 
     def check_alive(self) -> None:
         check_alive(list(self.processes.values()))
@@ -227,14 +250,18 @@ class LocalStack:
             proc.terminate()
         if trainer is not None:
             trainer.wait_stopped(deadline)
+            self.timeline("trainer stopped")
         if coordinator is not None:
             coordinator.terminate()
             coordinator_deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in samplers:
             proc.wait_stopped(deadline)
+        self.timeline("samplers stopped")
         if coordinator is not None:
             coordinator.wait_stopped(coordinator_deadline)
+            self.timeline("coordinator stopped")
         self.client.close()
         if self.redis_server is not None:
             self.redis_server.stop()
+            self.timeline("redis-server stopped")
         self.lock.release()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -185,10 +185,11 @@ class SamplerConfig(StrictModel):
     """Engine precision (can differ from the trainer's to create a numerical discrepancy)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vLLM memory fraction (on CPU: the KV cache size fraction of the machine's RAM)."""
-    kv_cache_gib: float | None = Field(None, gt=0)
+    kv_cache_gib: Annotated[float, Field(gt=0)] | Literal["fit"] | None = None
     """KV cache size in GiB (vLLM `kv_cache_memory_bytes`), instead of the `gpu_memory_utilization` share;
-    on CPU that share of the machine's RAM is reserved per engine (0.3 of 24 GiB = 7 GiB), so small models
-    set this."""
+    on CPU that share of the machine's RAM is reserved (and zeroed) per engine (0.3 of 24 GiB = 7 GiB), so small
+    models set this. `fit`: sized to the model and the sampler's batch, every sequence it runs at once (its
+    `max_inflight_tasks` x the group size) at `max_model_len` (`sampler_svc.engine.fitted_kv_cache_bytes`)."""
     max_model_len: int = Field(256, ge=8)
     """vLLM max model length."""
     max_inflight_tasks: int | None = Field(None, ge=1)

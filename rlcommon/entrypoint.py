@@ -33,7 +33,7 @@ import grpc
 
 from rlcommon.bus import BusUnavailableError, stop_waiting_on_redis
 from rlcommon.config import ConfigError, RunConfig, load_config
-from rlcommon.logs import setup_logging
+from rlcommon.logs import process_started_monotonic, setup_logging, timeline
 from rlcommon.rpc import stop_waiting_on_coordinator
 
 __all__ = [
@@ -170,6 +170,8 @@ def run_service(
         print(f"{name}: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     setup_logging(name, cfg.run_dir)
+    timeline(logger, "process started", at=process_started_monotonic())
+    timeline(logger, "python and its imports up, configuration read")
     watch_parent()
     _in_service.set()
     try:

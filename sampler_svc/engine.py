@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlcommon.config import SamplerConfig, SamplingConfig
+from rlcommon.logs import timeline
 from rlcommon.tokenizer import TextTokenizer, load_tokenizer
 from rlcommon.weight_store import load_version
 from sampler_svc.vllm_worker import WORKER_EXTENSION
@@ -144,6 +146,32 @@ def execution_settings(sampler: SamplerConfig, *, on_cpu: bool) -> dict[str, Any
     }
 
 
+ENGINE_STOP_TIMEOUT_S = 1.0
+"""How long the engine-core process may take to exit after SIGTERM before it is killed. vLLM's default (5 s) was
+all spent on CPU: the process stays in its teardown after leaving its loop. It holds nothing to save (the weights
+are files, the requests are redelivered)."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_CACHE_FIT_MIN_BYTES = 16 * 2**20
+"""The least `kv_cache_gib = "fit"` gives (a few blocks of vLLM's own besides the sequences')."""
+
+
+def fitted_kv_cache_bytes(model_config: dict[str, Any], *, dtype: str, sequences: int, max_model_len: int) -> int:
+    """The KV cache that holds `sequences` sequences of `max_model_len` tokens of the model whose config.json is
+    `model_config`: keys and values of every layer, in the engine's `dtype` ("auto": the model's), plus an
+    eighth, rounded up to MiB; at least KV_CACHE_FIT_MIN_BYTES. On CPU vLLM zeroes the whole cache when it
+    starts (about 0.5-2 s per GiB here): sized so, the tiny model's needs 32 MiB instead of a fixed 1 GiB."""
+    if sequences < 1:
+        raise ValueError(f"sequences must be >= 1, got {sequences}")
+    layers = int(model_config["num_hidden_layers"])
+    kv_heads = int(model_config.get("num_key_value_heads") or model_config["num_attention_heads"])
+    head_dim = int(model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"])
+    if dtype == "auto":
+        dtype = str(model_config.get("dtype") or model_config.get("torch_dtype") or "float32")
+    per_token = 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+    needed = per_token * sequences * max_model_len * 9 // 8
+    return max(KV_CACHE_FIT_MIN_BYTES, -(-needed // 2**20) * 2**20)
+
+
 class SamplerEngine:
     """vLLM `AsyncLLM` with token-id prompts, processed logprobs, top-K rows and versioned weight swaps.
 
@@ -158,13 +186,17 @@ class SamplerEngine:
         sampler: SamplerConfig,
         sampling: SamplingConfig,
         weight_version: int = 0,
+        max_sequences: int = 64,
     ) -> None:
+        """`max_sequences`: the sequences it runs at once (its tasks x samples each), which a `kv_cache_gib` of
+        `fit` sizes the KV cache for."""
         if weight_version < 0:
             raise ValueError(f"weight_version must be >= 0, got {weight_version}")
         self.model_dir = Path(model_dir)
         self.sampler_cfg = sampler
         self.sampling_cfg = sampling
         self._weight_version = weight_version
+        self.max_sequences = max_sequences
         self._llm: AsyncLLM | None = None
         self._gate: _VersionGate | None = None
         self._broken: BaseException | None = None
@@ -181,19 +213,30 @@ class SamplerEngine:
             raise EngineError("SamplerEngine.start() called twice")
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"model folder {self.model_dir} has no config.json")
+        timeline(logger, "importing vLLM")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        timeline(logger, "vLLM imported")
         sampler = self.sampler_cfg
         self._tokenizer = load_tokenizer(self.model_dir)
         execution = execution_settings(sampler, on_cpu=current_platform.is_cpu())
         os.environ.update(execution["env"])  # read when the engine checks its config (and by its engine core)
+        kv_cache_bytes = None
+        if sampler.kv_cache_gib == "fit":
+            model_config = json.loads((self.model_dir / "config.json").read_text())
+            kv_cache_bytes = fitted_kv_cache_bytes(model_config, dtype=sampler.dtype, sequences=self.max_sequences,
+                                                   max_model_len=sampler.max_model_len)
+            logger.info("KV cache fitted to %d sequences of %d tokens: %.1f MiB", self.max_sequences,
+                        sampler.max_model_len, kv_cache_bytes / 2**20)
+        elif sampler.kv_cache_gib is not None:
+            kv_cache_bytes = int(sampler.kv_cache_gib * 2**30)
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=sampler.dtype,
             gpu_memory_utilization=sampler.gpu_memory_utilization,
-            kv_cache_memory_bytes=None if sampler.kv_cache_gib is None else int(sampler.kv_cache_gib * 2**30),
+            kv_cache_memory_bytes=kv_cache_bytes,
             max_model_len=sampler.max_model_len,
             logprobs_mode="processed_logprobs",
             max_logprobs=self.sampling_cfg.logprobs_topk,
@@ -206,6 +249,7 @@ class SamplerEngine:
         started = time.perf_counter()
         self._gate = _VersionGate()
         self._llm = AsyncLLM.from_engine_args(args)
+        timeline(logger, "vLLM engine core up (model loaded, KV cache allocated, warmed up)")
         try:
             self.vocab_size = self._llm.model_config.get_vocab_size()
             self.topk = min(self.sampling_cfg.logprobs_topk, self.vocab_size)
@@ -233,10 +277,11 @@ class SamplerEngine:
         return self
 
     async def stop(self) -> None:
-        """Shut the vLLM engine (and its engine-core process) down. Safe to call twice."""
+        """Shut the vLLM engine (and its engine-core process) down, killing that process if it is still there
+        ENGINE_STOP_TIMEOUT_S later. Safe to call twice."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            llm.shutdown()
+            llm.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
             logger.info("vLLM engine stopped")
 
     async def __aenter__(self) -> SamplerEngine:

@@ -28,6 +28,7 @@ import grpc
 from protos import coordinator_pb2 as pb
 from rlcommon.bus import TASKS_GROUP, Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import RunConfig
+from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.rpc import AsyncCoordinatorClient
@@ -72,7 +73,8 @@ class SamplerService:
     async def start(self) -> SamplerService:
         cfg = self.cfg
         self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
-        self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling).start()
+        self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling,
+                                          max_sequences=self.capacity * cfg.coordinator.group_size).start()
         self.limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.conn = RedisConnection.from_config(cfg.redis)
         self.consumer = StreamConsumer.from_config(
@@ -90,6 +92,7 @@ class SamplerService:
         self.background = [asyncio.create_task(self.follow_weight_updates()), asyncio.create_task(self.heartbeats()),
                            asyncio.create_task(self.load_weights())]
         logger.info("sampler %s ready (capacity %d tasks)", self.sampler_id, self.capacity)
+        timeline(logger, "sampler ready: taking tasks")
         return self
 
     async def stop(self) -> None:
@@ -147,6 +150,8 @@ class SamplerService:
             logger.info("rollout queue is full (backpressure): waiting")
         await asyncio.to_thread(self.producer.send_many, rollouts)
         await asyncio.to_thread(self.consumer.ack, [delivery.entry_id])
+        if self.num_rollouts == 0:
+            timeline(logger, "first rollouts pushed")
         self.num_rollouts += len(rollouts)
         self.num_tokens += sum(len(r.response_ids) for r in rollouts)
         self.metrics.gauge("rollouts_total", self.num_rollouts)

@@ -41,6 +41,7 @@ from rlcommon.bus import (
     stream_key,
 )
 from rlcommon.config import RunConfig
+from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.plan_ids import slot_rollout_id
@@ -106,10 +107,12 @@ def build_train_step(cfg: RunConfig, parallel: DataParallel | None) -> tuple[Tra
     if cfg.trainer.device == "cpu":
         torch.set_num_threads(cpu_threads(cfg.trainer.threads, ranks=parallel.world if parallel is not None else 1))
     model_dir = resolve_model(cfg.model, cfg.task)
+    timeline(logger, "torch imported, model resolved")
     from transformers import AutoModelForCausalLM
 
     # float32 master weights whatever trainer.dtype: bfloat16 is the compute precision (autocast in TrainStep).
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(cfg.trainer.device)
+    timeline(logger, "model loaded (transformers)")
     tokenizer = load_tokenizer(model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_step = TrainStep(model, config=cfg.trainer, pad_id=pad_id, parallel=parallel)
@@ -153,6 +156,7 @@ class TrainerService:
         """Set by `request_stop` (a stop signal) or `stop`: `run` returns after the current step."""
         self.started = False
         """`start` completed: `stop` closes only what was opened."""
+        self._first_step_logged = False
         self.ranks: Ranks | None = None
         self.metrics: MetricsSink | None = None
         self.coordinator: CoordinatorClient | None = None
@@ -198,6 +202,7 @@ class TrainerService:
                         dropped, self.train_step.step)
         self.metrics = MetricsSink(service="trainer", jsonl_path=metrics_path, tensorboard_dir=self.run_dir / "tensorboard")
         self.started = True
+        timeline(logger, "trainer ready: waiting for the first batch")
         self.stages.take()  # the first row's stages start here, not at construction
         return self
 
@@ -387,6 +392,11 @@ class TrainerService:
         # The row before the checkpoint that covers its step: a crash after the checkpoint must not lose it (a
         # crash before it replays the step, and metrics.jsonl is cut back to the checkpoint on resume).
         self.metrics.log(step, record)
+        if not self._first_step_logged:
+            self._first_step_logged = True
+            timeline(logger, f"first step trained (step {step})")
+        if step + 1 == self.cfg.steps:
+            timeline(logger, f"last step trained (step {step})")
         self.keep_token_stats(batch_id, step, slots, rollouts, result,
                               entry_ids=[buffer.slot_entry_ids[slot] for slot in slots])
         logger.info(

@@ -168,3 +168,23 @@ def test_each_service_used_its_own_redis_user_and_no_password_leaked(finished_ru
     for path in texts:
         content = path.read_bytes()
         assert not any(password in content for password in passwords), f"{path} holds a redis password"
+
+
+def test_make_run_again_on_the_finished_folder_says_so_before_starting_anything(finished_run):
+    """The same command again (`make run` twice): exit 1 naming the finished run and how to start afresh, before
+    any service starts: no log grows, the summary, the lock's holder and the Redis data stay as they were."""
+    import subprocess
+    import sys
+
+    run_dir = finished_run["run_dir"]
+    files = {path: path.read_bytes() for path in run_dir.rglob("*")
+             if path.is_file() and path.suffix != ".png" and "checkpoints" not in path.parts}
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "--no-progress", "--steps", str(STEPS), "--run-dir", str(run_dir),
+         "--bus.run_id=e2e", f"--model.cache_dir={Path(__file__).resolve().parents[2] / '.cache/models'}"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"run folder {run_dir} holds a finished run ({STEPS} steps trained" in done.stderr
+    assert "make run ARGS=--fresh" in done.stderr
+    changed = [str(path) for path, content in files.items() if not path.exists() or path.read_bytes() != content]
+    assert not changed, f"changed by a launcher that should have stopped at once: {changed}"

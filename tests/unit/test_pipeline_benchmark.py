@@ -79,3 +79,20 @@ def test_separate_devices_model_takes_the_longer_of_trainer_and_spread_sampling(
     assert model["1_trainer_2_sampler_devices"]["step_s"] == pytest.approx(0.15)
     assert model["1_trainer_4_sampler_devices"]["step_s"] == pytest.approx(0.15)
     assert model["1_trainer_4_sampler_devices"]["vs_inprocess"] == pytest.approx(0.39 / 0.15)
+
+
+def test_each_invocation_gets_a_fresh_folder_under_out(tmp_path, capsys):
+    """A second `python -m benchmarks.pipeline --out X` never reuses the first's folder (its run would resume the
+    finished run); the JSON names the folder it wrote."""
+    import json
+
+    from benchmarks.pipeline import main
+
+    folders = []
+    for _ in range(2):
+        assert main(["--out", str(tmp_path), "--no-pipeline", "--no-inprocess", "--json"]) == 0
+        folders.append(Path(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["folder"]))
+    assert folders[0] != folders[1]
+    for folder in folders:
+        assert folder.parent == tmp_path and folder.name.startswith("run-")
+        assert json.loads((folder / "pipeline.json").read_text())["folder"] == str(folder)

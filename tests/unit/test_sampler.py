@@ -352,3 +352,20 @@ def test_execution_settings_eager_and_one_process_on_cpu_compiled_on_gpu():
     assert execution_settings(SamplerConfig(enforce_eager=True), on_cpu=False)["enforce_eager"] is True
     with pytest.raises(ValueError, match="cpu_executor"):
         SamplerConfig(cpu_executor="ray")
+
+
+def test_a_fitted_kv_cache_holds_every_sequence_of_the_batch_at_max_model_len():
+    """`kv_cache_gib = "fit"`: keys and values of every layer for sequences x max_model_len tokens, plus an eighth,
+    in MiB; the tiny model's 64 sequences of 256 tokens need 36 MiB, not the 1 GiB vLLM would zero at start."""
+    from sampler_svc.engine import KV_CACHE_FIT_MIN_BYTES, fitted_kv_cache_bytes
+
+    tiny = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "hidden_size": 64, "dtype": "float32"}
+    assert fitted_kv_cache_bytes(tiny, dtype="float32", sequences=64, max_model_len=256) == 36 * 2**20
+    assert fitted_kv_cache_bytes(tiny, dtype="bfloat16", sequences=128, max_model_len=256) == 36 * 2**20
+    assert fitted_kv_cache_bytes(tiny, dtype="auto", sequences=64, max_model_len=256) == 36 * 2**20
+    assert fitted_kv_cache_bytes(tiny, dtype="float32", sequences=1, max_model_len=64) == KV_CACHE_FIT_MIN_BYTES
+    no_head_dim = {k: v for k, v in tiny.items() if k != "head_dim"} | {"hidden_size": 128}  # 128 / 4 heads = 32
+    assert fitted_kv_cache_bytes(no_head_dim, dtype="float32", sequences=64, max_model_len=256) == 36 * 2**20
+    with pytest.raises(ValueError, match="sequences"):
+        fitted_kv_cache_bytes(tiny, dtype="float32", sequences=0, max_model_len=256)
