@@ -18,8 +18,13 @@ line in the progress output says which one, its exit code and where its log is. 
 the bound, or one that exits 0 before the trainer has trained every step) stops the rest, saying which one
 and where its log is. Every child dies with the launcher, however it dies; one launcher per run folder.
 
-Modules: `processes` (one service as a process; compose's restart rule), `stack` (`LocalStack`, the whole
+Modules: `cli` (the command line; a bad config or a finished run refused before the heavy imports), `processes` (one service as a process; compose's restart rule), `stack` (`LocalStack`, the whole
 stack, which the integration tests drive too), `lifecycle` (children that die with the launcher; the run
 folder's lock), `run` (the run loop, progress, summary.json), `run_folder` (a finished run refused, `--fresh`),
 `plots`.
 """
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+"""The checkout this launcher runs from (configs/default.toml, the services' modules)."""

@@ -1,7 +1,13 @@
-"""`python -m launcher`: see launcher/__init__.py."""
+"""`python -m launcher`: see launcher/__init__.py. A bad configuration or a finished run folder is refused
+before the stack's modules are imported (launcher/cli.py)."""
 
 import sys
 
-from launcher.run import main
+from launcher.cli import early_exit
 
-sys.exit(main())
+code = early_exit(sys.argv[1:])
+if code is None:
+    from launcher.run import main
+
+    code = main()
+sys.exit(code)

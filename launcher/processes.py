@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher import REPO
 from launcher.lifecycle import spawn
 from rlcommon.config import CoordinatorConfig, RunConfig
 from rlcommon.entrypoint import STOP_WITH_PARENT_ENV
@@ -22,7 +23,6 @@ from rlcommon.gpu_placement import VisibleGpus, visible_gpus
 from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass

@@ -3,7 +3,6 @@ summary.json and the plots (`python -m launcher`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
@@ -13,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import launcher
+from launcher.cli import LOG_FORMAT, parse_args
 from launcher.lifecycle import RunDirInUseError
-from launcher.processes import REPO, ServiceDied, service_died
-from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
+from launcher.processes import ServiceDied, service_died
+from launcher.run_folder import RunFinishedError, check_not_finished
 from launcher.stack import LocalStack
-from rlcommon.config import ConfigError, RunConfig, load_config
+from rlcommon.config import ConfigError, RunConfig
 from rlcommon.logs import process_started_monotonic
 from rlcommon.metrics import JsonlFollower, read_jsonl
 from rlcommon.rpc import CoordinatorClient
@@ -54,22 +53,6 @@ def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: di
         "wall_seconds": coordinator.get("wall_seconds"),
         "first_step_seconds": coordinator.get("first_step_seconds"),
     }
-
-
-def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="python -m launcher", description=launcher.__doc__.split("\n\n")[0])
-    parser.add_argument("--config", action="append", default=None, help="TOML config (repeatable; later wins)")
-    parser.add_argument("--no-progress", action="store_true", help="per-step lines instead of a progress bar")
-    parser.add_argument("--fresh", action="store_true",
-                        help="a new run in a new folder beside run_dir: <run_dir>-YYYYmmdd-HHMMSS")
-    args, rest = parser.parse_known_args(argv)
-    paths = args.config or [str(REPO / "configs/default.toml")]
-    cfg = load_config(RunConfig, paths, rest)
-    if args.fresh:
-        cfg.run_dir = str(fresh_run_dir(cfg.run_dir))
-    if cfg.coordinator.total_batches is None:
-        cfg.coordinator.total_batches = cfg.steps
-    return cfg, args
 
 
 def coordinator_snapshot(client: CoordinatorClient) -> dict[str, Any]:
@@ -246,7 +229,7 @@ def _interrupt_once(signum, _frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     signal.signal(signal.SIGTERM, _interrupt_once)  # `kill` stops the stack like Ctrl-C does
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
         signal.signal(signal.SIGINT, _interrupt_once)

@@ -205,6 +205,11 @@ class SamplerConfig(StrictModel):
     """On CPU, where vLLM runs the model: `uni` inside its engine-core process (one process fewer to start, no
     worker spin-waiting on a shared-memory queue beside the trainer); `mp` in a worker process of its own
     (vLLM's CPU default; it binds OpenMP threads to cores when `VLLM_CPU_OMP_THREADS_BIND` asks)."""
+    cpu_engine_start: Literal["fork", "spawn"] = "fork"
+    """On CPU, how the sampler service starts vLLM's engine-core process: `fork` (from the sampler, which has
+    imported vLLM and run no torch computation yet: no second import, 13-16 s off the first step here) or
+    `spawn` (vLLM's CPU default: a fresh interpreter that imports vLLM again). See sampler_svc/engine_process.py.
+    On GPU vLLM decides (fork unless CUDA is initialized)."""
     weight_transfer: Literal["path"] = "path"
     """How new weights arrive: a published version folder on storage the trainer and samplers share. The only
     transport so far: NCCL transfer (vLLM's weight-transfer API) waits until it can be built and tested on GPUs."""

@@ -37,6 +37,7 @@ from rlcommon.config import SamplerConfig, SamplingConfig
 from rlcommon.logs import timeline
 from rlcommon.tokenizer import TextTokenizer, load_tokenizer
 from rlcommon.weight_store import load_version
+from sampler_svc.engine_process import EngineStart, engine_core_start
 from sampler_svc.vllm_worker import WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -187,9 +188,11 @@ class SamplerEngine:
         sampling: SamplingConfig,
         weight_version: int = 0,
         max_sequences: int = 64,
+        cpu_engine_start: EngineStart = "spawn",
     ) -> None:
         """`max_sequences`: the sequences it runs at once (its tasks x samples each), which a `kv_cache_gib` of
-        `fit` sizes the KV cache for."""
+        `fit` sizes the KV cache for. `cpu_engine_start`: how vLLM's engine-core process starts on CPU
+        (sampler_svc/engine_process.py): `fork` only from a process that has run no torch computation yet."""
         if weight_version < 0:
             raise ValueError(f"weight_version must be >= 0, got {weight_version}")
         self.model_dir = Path(model_dir)
@@ -197,6 +200,7 @@ class SamplerEngine:
         self.sampling_cfg = sampling
         self._weight_version = weight_version
         self.max_sequences = max_sequences
+        self.cpu_engine_start = cpu_engine_start
         self._llm: AsyncLLM | None = None
         self._gate: _VersionGate | None = None
         self._broken: BaseException | None = None
@@ -216,12 +220,15 @@ class SamplerEngine:
         timeline(logger, "importing vLLM")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
 
         timeline(logger, "vLLM imported")
         sampler = self.sampler_cfg
         self._tokenizer = load_tokenizer(self.model_dir)
-        execution = execution_settings(sampler, on_cpu=current_platform.is_cpu())
+        on_cpu = current_platform.is_cpu()
+        execution = execution_settings(sampler, on_cpu=on_cpu)
         os.environ.update(execution["env"])  # read when the engine checks its config (and by its engine core)
         kv_cache_bytes = None
         if sampler.kv_cache_gib == "fit":
@@ -248,7 +255,13 @@ class SamplerEngine:
         )
         started = time.perf_counter()
         self._gate = _VersionGate()
-        self._llm = AsyncLLM.from_engine_args(args)
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)  # on CPU it asks for spawn
+        start_method = self.cpu_engine_start if on_cpu else None
+        timeline(logger, f"vLLM configured; starting its engine-core process ({start_method or 'vLLM decides'})")
+        with engine_core_start(start_method, without_compile=on_cpu and execution["enforce_eager"]):
+            self._llm = AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                                 log_requests=False, log_stats=False, start_engine_loop=True,
+                                 usage_context=UsageContext.ENGINE_CONTEXT)
         timeline(logger, "vLLM engine core up (model loaded, KV cache allocated, warmed up)")
         try:
             self.vocab_size = self._llm.model_config.get_vocab_size()
@@ -265,7 +278,7 @@ class SamplerEngine:
             await self.stop()
             raise
         logger.info(
-            "vLLM engine up in %.1f s: %s dtype=%s K=%d weight_version=%d (%s, executor %s)",
+            "vLLM engine up in %.1f s: %s dtype=%s K=%d weight_version=%d (%s, executor %s, engine core %s)",
             time.perf_counter() - started,
             self.model_dir,
             sampler.dtype,
@@ -273,6 +286,7 @@ class SamplerEngine:
             self._weight_version,
             "eager" if execution["enforce_eager"] else "compiled",
             execution["executor"] or "vLLM's default",
+            f"{start_method}ed" if start_method else "started as vLLM decides",
         )
         return self
 

@@ -74,7 +74,8 @@ class SamplerService:
         cfg = self.cfg
         self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
         self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling,
-                                          max_sequences=self.capacity * cfg.coordinator.group_size).start()
+                                          max_sequences=self.capacity * cfg.coordinator.group_size,
+                                          cpu_engine_start=cfg.sampler.cpu_engine_start).start()
         self.limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.conn = RedisConnection.from_config(cfg.redis)
         self.consumer = StreamConsumer.from_config(

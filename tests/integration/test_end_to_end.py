@@ -97,6 +97,9 @@ def test_sampler_served_the_new_version_after_a_sync(finished_run):
     assert int(samplers[0]["weight_version"]) >= 1
     log = (finished_run["run_dir"] / "logs/sampler-0.log").read_text()
     assert "now serving weight version 1" in log
+    # The default sampler forks vLLM's engine core (no second vLLM import) and runs it without torch.compile.
+    assert "engine core forked" in log
+    assert "torch._inductor" not in log and "compile_fx" not in log
 
 
 def test_dlcctl_status_agrees_with_summary(finished_run):
@@ -175,6 +178,7 @@ def test_make_run_again_on_the_finished_folder_says_so_before_starting_anything(
     any service starts: no log grows, the summary, the lock's holder and the Redis data stay as they were."""
     import subprocess
     import sys
+    from pathlib import Path
 
     run_dir = finished_run["run_dir"]
     files = {path: path.read_bytes() for path in run_dir.rglob("*")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.run import parse_args
+from launcher.cli import parse_args
 from launcher.run_folder import finished_steps, fresh_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,3 +63,19 @@ def test_make_run_refuses_a_finished_run_before_starting_anything(tmp_path):
     assert f"run folder {run_dir} holds a finished run (6 steps trained" in done.stderr
     assert "make run ARGS=--fresh" in done.stderr and "--run-dir runs/<name>" in done.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before  # no launcher.lock, logs/, config.toml, redis/
+
+
+def test_the_refusal_comes_before_the_stacks_imports(tmp_path):
+    """The finished run (and a bad flag) is answered from launcher/cli.py's light imports: Redis, gRPC, numpy
+    and the services' modules (1.5 s of imports here) are never loaded. Checked by the imports the interpreter
+    reports (`-X importtime`), not by a clock."""
+    run_dir = tmp_path / "run"
+    write_run(run_dir, trained=6, summary=True)
+    for flags, code in ((["--steps", "6", "--run-dir", str(run_dir)], 1), (["--steps", "six"], 2)):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher", "--no-progress", *flags],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == code, done.stderr[-2000:]
+        imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+        assert "launcher.cli" in imported and "rlcommon.config" in imported
+        heavy = {"redis", "grpc", "numpy", "launcher.run", "launcher.stack", "rlcommon.bus"} & imported
+        assert not heavy, f"{flags}: imported {sorted(heavy)} before refusing"

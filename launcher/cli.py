@@ -1,0 +1,55 @@
+"""`python -m launcher`'s command line, and the answers it gives before anything heavy is imported: a bad
+configuration or a finished run folder is refused within the interpreter's start (about 0.4 s here), not after
+the 1.5 s of imports (Redis, gRPC, numpy) that starting the stack needs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import launcher
+from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
+from rlcommon.config import ConfigError, RunConfig, load_config
+
+__all__ = ["early_exit", "parse_args"]
+
+logger = logging.getLogger("launcher")
+LOG_FORMAT = "%(asctime)s launcher %(levelname)s: %(message)s"
+
+
+def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
+    """The run's configuration (configs/default.toml unless `--config`, then the dotted flags) and the
+    launcher's own flags. `--fresh` points `run_dir` at a new folder beside it."""
+    parser = argparse.ArgumentParser(prog="python -m launcher", description=launcher.__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=None, help="TOML config (repeatable; later wins)")
+    parser.add_argument("--no-progress", action="store_true", help="per-step lines instead of a progress bar")
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new run in a new folder beside run_dir: <run_dir>-YYYYmmdd-HHMMSS")
+    args, rest = parser.parse_known_args(argv)
+    paths = args.config or [str(launcher.REPO / "configs/default.toml")]
+    cfg = load_config(RunConfig, paths, rest)
+    if args.fresh:
+        cfg.run_dir = str(fresh_run_dir(cfg.run_dir))
+    if cfg.coordinator.total_batches is None:
+        cfg.coordinator.total_batches = cfg.steps
+    return cfg, args
+
+
+def early_exit(argv: list[str]) -> int | None:
+    """The exit code for a command line refused before anything starts: 2 for a bad configuration, 1 for a
+    finished run folder (saying how to start afresh); None when the stack should start."""
+    try:
+        cfg, _ = parse_args(argv)
+    except ConfigError as err:
+        print(f"launcher: {err}", file=sys.stderr)
+        return 2
+    except SystemExit as stop:  # --help, or argparse's own usage error
+        return int(stop.code or 0)
+    try:
+        check_not_finished(cfg.run_dir, cfg.steps)
+    except RunFinishedError as err:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        logger.error("%s", err)
+        return 1
+    return None
