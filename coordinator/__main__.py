@@ -12,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from pathlib import Path
 
 from rlcommon.config import RunConfig
-from rlcommon.entrypoint import EXIT_OK, run_service, stop_event
+from rlcommon.entrypoint import EXIT_OK, exit_process, run_service, stop_event
 from rlcommon.logs import timeline
 
 logger = logging.getLogger("coordinator")
@@ -85,4 +84,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # no interpreter teardown (rlcommon/entrypoint.py)

@@ -8,6 +8,7 @@ from launcher.cli import early_exit
 code = early_exit(sys.argv[1:])
 if code is None:
     from launcher.run import main
+    from rlcommon.entrypoint import exit_process
 
-    code = main()
+    exit_process(main())  # its services are stopped and its files written: no interpreter teardown
 sys.exit(code)

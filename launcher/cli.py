@@ -1,14 +1,17 @@
 """`python -m launcher`'s command line, and the answers it gives before anything heavy is imported: a bad
-configuration or a finished run folder is refused within the interpreter's start (about 0.4 s here), not after
-the 1.5 s of imports (Redis, gRPC, numpy) that starting the stack needs."""
+configuration, a finished run folder or one another launcher holds is refused within the interpreter's start
+(about 0.4 s here), not after the 1.5 s of imports (Redis, gRPC, numpy) that starting the stack needs."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 import launcher
+
+from launcher.lifecycle import RunDirInUseError, RunDirLock
 from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
 from rlcommon.config import ConfigError, RunConfig, load_config
 
@@ -38,7 +41,9 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
 
 def early_exit(argv: list[str]) -> int | None:
     """The exit code for a command line refused before anything starts: 2 for a bad configuration, 1 for a
-    finished run folder (saying how to start afresh); None when the stack should start."""
+    finished run folder (saying how to start afresh) or one another launcher holds (naming it); None when the
+    stack should start (which takes the folder's lock for good: a launcher that starts between this look and
+    that still finds it taken)."""
     try:
         cfg, _ = parse_args(argv)
     except ConfigError as err:
@@ -48,7 +53,9 @@ def early_exit(argv: list[str]) -> int | None:
         return int(stop.code or 0)
     try:
         check_not_finished(cfg.run_dir, cfg.steps)
-    except RunFinishedError as err:
+        if (Path(cfg.run_dir) / "launcher.lock").exists():
+            RunDirLock(cfg.run_dir).acquire().release()
+    except (RunFinishedError, RunDirInUseError) as err:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         logger.error("%s", err)
         return 1

@@ -161,7 +161,7 @@ def run(
     `started_monotonic`: the launcher's start (time.monotonic(); default: now), which the timeline lines and
     `first_step_seconds` count from.
     """
-    from launcher.plots import plot_run_in_background
+    from launcher.plots import plot_run_in_background, warm_up
 
     global _stopping
     check_not_finished(cfg.run_dir, cfg.steps)
@@ -173,8 +173,12 @@ def run(
     try:
         stack.start()
         progress.write(f"dashboard: {stack.dashboard_url}")
+        plots_warmed = False
         while True:
             rows = progress.update()
+            if rows and not plots_warmed:  # training: the launcher has CPU to spare for matplotlib's import
+                warm_up()
+                plots_warmed = True
             if on_progress is not None:
                 on_progress(stack, rows)
             stopped = stack.restart_exited(max_restarts=cfg.max_restarts, report=progress.write)

@@ -15,12 +15,18 @@ and either one unreachable on the way out is a stop, not a failure (exit 0).
 A service started by the local launcher (`DLC_STOP_WITH_PARENT=<its pid>`) stops when the launcher dies: the
 launcher has the kernel send it SIGTERM then (PR_SET_PDEATHSIG), and `watch_parent` sends it too and, if the
 service is still there `ORPHAN_GRACE_S` later, kills its process group (a vLLM engine included).
+Exiting: `exit_process` ends a service's process once `run_service` returned: the atexit handlers run and
+every log and stream is flushed, then the process leaves without the interpreter's teardown of its modules
+(torch's and vLLM's: 2.7 s of the trainer's CPU and 5.8 s of the sampler's here, after everything was
+closed, before the launcher or docker saw them exit).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -28,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import grpc
 
@@ -37,6 +44,7 @@ from rlcommon.logs import process_started_monotonic, setup_logging, timeline
 from rlcommon.rpc import stop_waiting_on_coordinator
 
 __all__ = [
+    "exit_process",
     "EXIT_BAD_CONFIG",
     "EXIT_FAILED",
     "EXIT_OK",
@@ -197,3 +205,19 @@ def run_service(
     finally:
         _in_service.clear()
         _stop_signalled.clear()
+        timeline(logger, "service returned: the interpreter exits")
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with `code` now: run what atexit holds (multiprocessing's children, for one), flush and
+    close the logs and the standard streams, then `os._exit`, skipping the interpreter's teardown (collecting
+    every module's objects: seconds for torch and vLLM). For a service's `__main__` only, after `run_service`
+    returned (its files and connections are closed by then); never inside a test process."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)

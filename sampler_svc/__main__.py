@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 from rlcommon.config import RunConfig
-from rlcommon.entrypoint import EXIT_FAILED, EXIT_OK, run_service, stop_event
+from rlcommon.entrypoint import EXIT_FAILED, EXIT_OK, exit_process, run_service, stop_event
 
 logger = logging.getLogger("sampler")
 
@@ -49,4 +48,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # no interpreter teardown (rlcommon/entrypoint.py)

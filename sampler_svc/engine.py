@@ -147,10 +147,10 @@ def execution_settings(sampler: SamplerConfig, *, on_cpu: bool) -> dict[str, Any
     }
 
 
-ENGINE_STOP_TIMEOUT_S = 1.0
+ENGINE_STOP_TIMEOUT_S = 0.2
 """How long the engine-core process may take to exit after SIGTERM before it is killed. vLLM's default (5 s) was
-all spent on CPU: the process stays in its teardown after leaving its loop. It holds nothing to save (the weights
-are files, the requests are redelivered)."""
+all spent on CPU: after leaving its loop the process stays in the interpreter's teardown of torch and vLLM (seconds
+here). It holds nothing to save (the weights are files, the requests are redelivered)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_CACHE_FIT_MIN_BYTES = 16 * 2**20
 """The least `kv_cache_gib = "fit"` gives (a few blocks of vLLM's own besides the sequences')."""

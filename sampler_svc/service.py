@@ -101,12 +101,15 @@ class SamplerService:
         for task in [*self.background, *self.inflight]:
             task.cancel()
         await asyncio.gather(*self.background, *self.inflight, return_exceptions=True)
+        timeline(logger, "sampler stopping: tasks cancelled")
         if self.engine is not None:
             await self.engine.stop()
+            timeline(logger, "vLLM engine stopped")
         if self.coordinator is not None:
             await self.coordinator.close()
         if self.conn is not None:
             self.conn.close()
+        timeline(logger, "sampler stopped: connections closed")
 
     # ------------------------------------------------------------------------------------------ main loop
 

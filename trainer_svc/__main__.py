@@ -19,8 +19,8 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from rlcommon.config import ConfigError, RunConfig
-from rlcommon.entrypoint import EXIT_OK, on_stop_signals, run_service
-from rlcommon.logs import setup_logging
+from rlcommon.entrypoint import EXIT_OK, exit_process, on_stop_signals, run_service
+from rlcommon.logs import setup_logging, timeline
 
 logger = logging.getLogger("trainer")
 
@@ -60,11 +60,13 @@ def run(cfg: RunConfig, argv: list[str]) -> int:
         service.start()
         service.run()
         service.finish()
+        timeline(logger, "checkpoint settled")
         failed = False
     finally:
         # After a failure the other ranks may be inside an operation rank 0 left: no stop for them (they
         # would wait for it forever); torchrun ends them when rank 0 exits non-zero.
         service.stop(announce=not failed)
+    timeline(logger, "trainer stopped: state written, connections closed")
     return EXIT_OK
 
 
@@ -87,4 +89,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # no interpreter teardown (rlcommon/entrypoint.py)

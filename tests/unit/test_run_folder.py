@@ -66,15 +66,26 @@ def test_make_run_refuses_a_finished_run_before_starting_anything(tmp_path):
 
 
 def test_the_refusal_comes_before_the_stacks_imports(tmp_path):
-    """The finished run (and a bad flag) is answered from launcher/cli.py's light imports: Redis, gRPC, numpy
-    and the services' modules (1.5 s of imports here) are never loaded. Checked by the imports the interpreter
-    reports (`-X importtime`), not by a clock."""
+    """The finished run, a folder another launcher holds (and a bad flag) are answered from launcher/cli.py's
+    light imports: Redis, gRPC, numpy and the services' modules (1.5 s of imports here) are never loaded.
+    Checked by the imports the interpreter reports (`-X importtime`), not by a clock."""
+    from launcher.lifecycle import RunDirLock
+
     run_dir = tmp_path / "run"
     write_run(run_dir, trained=6, summary=True)
-    for flags, code in ((["--steps", "6", "--run-dir", str(run_dir)], 1), (["--steps", "six"], 2)):
-        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher", "--no-progress", *flags],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+    held = RunDirLock(tmp_path / "held").acquire()  # another launcher's folder, unfinished
+    cases = ((["--steps", "6", "--run-dir", str(run_dir)], 1, "holds a finished run"),
+             (["--steps", "6", "--run-dir", str(tmp_path / "held")], 1, "is in use by another launcher"),
+             (["--steps", "six"], 2, "bad value for 'steps'"))
+    try:
+        runs = [(subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher", "--no-progress", *flags],
+                                cwd=REPO, capture_output=True, text=True, timeout=120), flags, code, said)
+                for flags, code, said in cases]
+    finally:
+        held.release()
+    for done, flags, code, said in runs:
         assert done.returncode == code, done.stderr[-2000:]
+        assert said in done.stderr
         imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
         assert "launcher.cli" in imported and "rlcommon.config" in imported
         heavy = {"redis", "grpc", "numpy", "launcher.run", "launcher.stack", "rlcommon.bus"} & imported
