@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import launcher
-
 from launcher.lifecycle import RunDirInUseError, RunDirLock
 from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
 from rlcommon.config import ConfigError, RunConfig, load_config
