@@ -10,6 +10,7 @@ made (tests/unit/test_logprob_rows.py checks them against it).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,5 +119,5 @@ def rows_of_samples(
             except ValueError as err:
                 raise ValueError(f"sample {i}: {err}") from None
         raise
-    bounds = np.cumsum([len(t) for t in tokens])[:-1]
-    return list(zip(*(np.split(array, bounds) for array in rows), strict=True))
+    ends = list(itertools.accumulate(len(t) for t in tokens))
+    return [tuple(array[end - len(t) : end] for array in rows) for t, end in zip(tokens, ends, strict=True)]
