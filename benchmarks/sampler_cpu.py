@@ -93,7 +93,8 @@ async def sampler_rounds(cfg: RunConfig, model_dir: Any, *, rounds: int, warmup:
     limits = cfg.wire
     plan = cfg.coordinator
     engine = SamplerEngine(model_dir=model_dir, sampler=cfg.sampler, sampling=cfg.sampling,
-                           max_sequences=plan.batch_size * plan.group_size)
+                           max_sequences=plan.batch_size * plan.group_size,
+                           cpu_engine_start=cfg.sampler.cpu_engine_start)  # as the service starts it
     await engine.start()
     try:
         me = psutil.Process()
