@@ -82,7 +82,7 @@ def generate_rollouts_hf(
 
 def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> dict[str, Any]:
     """The synchronous loop for `warmup + steps` steps with `threads` torch threads; figures of the last
-    `steps` (medians per step, and steps/s and tokens/s over their wall time)."""
+    `steps` (medians per step, the mean CPU seconds of each stage, and steps/s and tokens/s over their wall time)."""
     from transformers import AutoModelForCausalLM
 
     from rlcommon.models import resolve_model
@@ -97,24 +97,26 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
     train_step = TrainStep(model, config=cfg.trainer, pad_id=tokenizer.pad_token_id)
     tasks = TaskSource(cfg.task)
     batch_size = cfg.coordinator.batch_size
-    sample_s, train_s, tokens, rewards = [], [], 0, []
+    sample_s, train_s, sample_cpu_s, train_cpu_s, tokens, rewards = [], [], [], [], 0, []
     measured_from = cpu_from = None
     for step in range(warmup + steps):
         if step == warmup:
             measured_from, cpu_from = time.perf_counter(), time.process_time()
         problems = [tasks.problem(step * batch_size + g) for g in range(batch_size)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rollouts = generate_rollouts_hf(model, tokenizer, problems, cfg, batch_id=step,
                                         weight_version=train_step.weight_version)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         train_step.train_on(rollouts)
         version = train_step.weight_version + 1  # on-policy: these weights sample the next batch
         train_step.mark_published(version)
         train_step.snapshots.release_below(version)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         if step >= warmup:
             sample_s.append(t1 - t0)
             train_s.append(t2 - t1)
+            sample_cpu_s.append(c1 - c0)
+            train_cpu_s.append(c2 - c1)
             tokens += sum(len(r.response_ids) for r in rollouts)
             rewards.append(float(np.mean([r.reward for r in rollouts])))
     wall = time.perf_counter() - measured_from
@@ -127,6 +129,8 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
         "sample_s": median(sample_s),
         "train_s": median(train_s),
         "cpu_s_per_step": cpu / steps,
+        "sample_cpu_s": float(np.mean(sample_cpu_s)),  # CPU seconds (every thread) of HF generate + rewards
+        "train_cpu_s": float(np.mean(train_cpu_s)),
         "reward_first": rewards[0],
         "reward_last": float(np.mean(rewards[-5:])),
     }

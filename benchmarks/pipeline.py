@@ -11,7 +11,8 @@
    step of each service (benchmarks/cpu_usage.py; a sampler's vLLM engine-core process counts as its own).
 2. **inprocess**: benchmarks/inprocess.py, the same model, task, B x G, TrainStep and lr, generating with
    HF `generate`, at each torch thread count of `--threads` (the best one is the reference).
-3. `pipeline_vs_inprocess` = pipeline steps/s / best in-process steps/s; `overlap_bound` = (sample + train)
+3. `pipeline_vs_inprocess` = pipeline steps/s / best in-process steps/s; `sampler_vs_hf_generate_cpu` = the
+   samplers' CPU seconds per step / the in-process loop's for HF `generate` and the rewards of the same batch; `overlap_bound` = (sample + train)
    / max(sample, train) of the in-process loop: what perfect overlap of its two stages could give on
    separate cores (on shared cores, less); `pipeline.cpu_bound_steps_per_s` = cores / the pipeline's CPU
    seconds per step: the most any overlap can give on these cores, and `cpu_bound_vs_inprocess` that bound
@@ -212,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         best = result["inprocess"]["best"]["steps_per_s"]
         result["pipeline_vs_inprocess"] = result["pipeline"]["steps_per_s"] / best
         result["cpu_bound_vs_inprocess"] = result["pipeline"]["cpu_bound_steps_per_s"] / best
+        # The sampler's CPU per step (its process and its vLLM engine core) against the loop's HF generate + rewards
+        # for the same batch (its best thread count's run; benchmarks.sampler_cpu takes the sampler's apart)
+        loop = result["inprocess"]["best"]
+        if "sampler" in result["pipeline"]["cpu_s_per_step"] and loop.get("sample_cpu_s"):
+            result["sampler_vs_hf_generate_cpu"] = result["pipeline"]["cpu_s_per_step"]["sampler"] / loop["sample_cpu_s"]
         stages = result["pipeline"]["trainer_stages_s"]
         loop = result["inprocess"]["best"]
         result["separate_devices_model"] = separate_devices(

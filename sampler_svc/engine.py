@@ -23,7 +23,6 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -38,6 +37,7 @@ from rlcommon.logs import timeline
 from rlcommon.tokenizer import TextTokenizer, load_tokenizer
 from rlcommon.weight_store import load_version
 from sampler_svc.engine_process import EngineStart, engine_core_start
+from sampler_svc.logprob_rows import rows_of_samples
 from sampler_svc.vllm_worker import WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -406,70 +406,59 @@ class SamplerEngine:
             raise EngineError(f"request {request_id} ended without a final output")
         if len(final.outputs) != num_samples:
             raise EngineError(f"request {request_id}: {len(final.outputs)} outputs, expected {num_samples}")
-        samples = []
-        for completion in sorted(final.outputs, key=lambda c: c.index):
+        completions = sorted(final.outputs, key=lambda c: c.index)
+        for completion in completions:
             if completion.finish_reason not in FINISHED_REASONS:
                 raise EngineError(
                     f"request {request_id} sample {completion.index} finished with "
                     f"{completion.finish_reason!r} (aborted?)"
                 )
             self._check_version_spans(completion, weight_version, request_id)
-            samples.append(
-                self._to_sample(
-                    completion,
-                    weight_version=weight_version,
-                    seed=seed + completion.index,
-                    queue_s=submitted - queued,
-                    generate_s=finished - submitted,
-                )
-            )
-        return samples
-
-    def _to_sample(
-        self, completion: Any, *, weight_version: int, seed: int, queue_s: float, generate_s: float
-    ) -> Sample:
-        token_ids = list(completion.token_ids)
-        positions = completion.logprobs
-        if positions is None or len(positions) != len(token_ids):
-            raise EngineError(
-                f"vLLM returned {0 if positions is None else len(positions)} logprob rows for "
-                f"{len(token_ids)} tokens"
-            )
-        num_tokens, k = len(token_ids), self.topk
-        sampler_logprobs = np.empty(num_tokens, dtype=np.float32)
-        topk_ids = np.empty((num_tokens, k), dtype=np.int32)
-        topk_logprobs = np.empty((num_tokens, k), dtype=np.float32)
-        for t, (token_id, row) in enumerate(zip(token_ids, positions, strict=True)):
-            if token_id not in row:
-                raise EngineError(f"vLLM logprobs at position {t} lack the sampled token {token_id}")
-            sampled_logprob = row[token_id].logprob
-            if not math.isfinite(sampled_logprob):
-                raise EngineError(f"sampled token {token_id} at position {t} has logprob {sampled_logprob}")
-            # vLLM returns the top-K plus the sampled token (K+1 entries when it is outside the top-K).
-            ranked = sorted(row.items(), key=lambda item: (-item[1].logprob, item[0]))[:k]
-            if all(tid != token_id for tid, _ in ranked):
-                ranked[-1] = (token_id, row[token_id])
-            if len(ranked) != k:
-                raise EngineError(f"vLLM returned {len(ranked)} top logprobs at position {t}, expected {k}")
-            sampler_logprobs[t] = sampled_logprob
-            topk_ids[t] = [tid for tid, _ in ranked]
-            topk_logprobs[t] = [lp.logprob for _, lp in ranked]
-        # A logprob is <= 0; float error can put a near-certain token a hair above it (the wire refuses > 0).
-        np.minimum(sampler_logprobs, 0.0, out=sampler_logprobs)
-        np.minimum(topk_logprobs, 0.0, out=topk_logprobs)
-        return Sample(
-            sample_index=completion.index,
-            response_ids=np.asarray(token_ids, dtype=np.int32),
-            sampler_logprobs=sampler_logprobs,
-            topk_ids=topk_ids,
-            topk_logprobs=topk_logprobs,
-            text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
-            finish_reason=completion.finish_reason,
-            weight_version=weight_version,
-            seed=seed,
-            queue_s=queue_s,
-            generate_s=generate_s,
+        return self._to_samples(
+            completions, weight_version=weight_version, seed=seed, queue_s=submitted - queued,
+            generate_s=finished - submitted,
         )
+
+    def _to_samples(
+        self, completions: list[Any], *, weight_version: int, seed: int, queue_s: float, generate_s: float
+    ) -> list[Sample]:
+        """The request's completions as Samples; sample i is seeded `seed + i`. Their top-K rows are computed
+        together, in one numpy pass (`rows_of_samples`)."""
+        token_lists = [list(completion.token_ids) for completion in completions]
+        for completion, token_ids in zip(completions, token_lists, strict=True):
+            positions = completion.logprobs
+            if positions is None or len(positions) != len(token_ids):
+                raise EngineError(
+                    f"vLLM returned {0 if positions is None else len(positions)} logprob rows for "
+                    f"{len(token_ids)} tokens"
+                )
+        try:  # vLLM returns the top-K plus the sampled token (K+1 entries when it is outside the top-K)
+            rows = rows_of_samples(
+                [(token_ids, c.logprobs) for c, token_ids in zip(completions, token_lists, strict=True)], self.topk
+            )
+        except ValueError as err:
+            raise EngineError(str(err)) from None
+        samples = []
+        for completion, token_ids, (sampler_logprobs, topk_ids, topk_logprobs) in zip(
+            completions, token_lists, rows, strict=True
+        ):
+            # A logprob is <= 0; float error can put a near-certain token a hair above it (the wire refuses > 0).
+            np.minimum(sampler_logprobs, 0.0, out=sampler_logprobs)
+            np.minimum(topk_logprobs, 0.0, out=topk_logprobs)
+            samples.append(Sample(
+                sample_index=completion.index,
+                response_ids=np.asarray(token_ids, dtype=np.int32),
+                sampler_logprobs=sampler_logprobs,
+                topk_ids=topk_ids,
+                topk_logprobs=topk_logprobs,
+                text=self._tokenizer.decode(token_ids, skip_special_tokens=True),
+                finish_reason=completion.finish_reason,
+                weight_version=weight_version,
+                seed=seed + completion.index,
+                queue_s=queue_s,
+                generate_s=generate_s,
+            ))
+        return samples
 
     @staticmethod
     def _check_version_spans(completion: Any, weight_version: int, request_id: str) -> None:

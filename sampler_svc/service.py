@@ -2,7 +2,8 @@
 one rollout per sample, acks the task, and follows the coordinator's weight updates.
 
     start()  engine, streams, coordinator registration, weight-update subscription, weight loader, heartbeats
-    run()    read tasks while there is capacity -> generate -> push rollouts -> ack
+    run()    read tasks while there is capacity -> generate -> push rollouts -> ack (the tasks finishing together
+             at once: sampler_svc/outbox.py)
     stop()   cancel background work, shut the engine down (unacked tasks are redelivered to others)
 
 Weight updates are loaded by one background task, the newest heard of first. A load that fails (a corrupted or
@@ -35,6 +36,7 @@ from rlcommon.rpc import AsyncCoordinatorClient
 from rlcommon.weight_store import WeightsError, resolve_announced_version
 from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, SamplerEngine
+from sampler_svc.outbox import Outbox
 from sampler_svc.rollouts import generate_rollouts
 
 logger = logging.getLogger("sampler")
@@ -54,6 +56,7 @@ class SamplerService:
         self.stopping = asyncio.Event()
         self.engine: SamplerEngine | None = None
         self.conn: RedisConnection | None = None
+        self.outbox: Outbox | None = None
         self.coordinator: AsyncCoordinatorClient | None = None
         self.failure: BaseException | None = None
         self.published_version = 0
@@ -84,6 +87,7 @@ class SamplerService:
         )
         # The trainer trims the rollouts it acked: a sampler may not XTRIM (it could drop unread rollouts).
         self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts", trim=False)
+        self.outbox = Outbox(self.producer, self.consumer)
         self.coordinator = AsyncCoordinatorClient.from_config(cfg.coordinator)
         start_metrics_server(cfg.sampler.metrics_port, cfg.sampler.metrics_host)
         self.metrics = MetricsSink(service="sampler")
@@ -101,6 +105,8 @@ class SamplerService:
         for task in [*self.background, *self.inflight]:
             task.cancel()
         await asyncio.gather(*self.background, *self.inflight, return_exceptions=True)
+        if self.outbox is not None:
+            await self.outbox.close()
         timeline(logger, "sampler stopping: tasks cancelled")
         if self.engine is not None:
             await self.engine.stop()
@@ -150,10 +156,7 @@ class SamplerService:
             logger.warning("task %s rejected: %s", task.task_id, err)
             await asyncio.to_thread(self.consumer.reject, [delivery], reason=f"sampler {self.sampler_id}: {err}")
             return
-        while not await asyncio.to_thread(self.producer.wait_for_room, 5.0):
-            logger.info("rollout queue is full (backpressure): waiting")
-        await asyncio.to_thread(self.producer.send_many, rollouts)
-        await asyncio.to_thread(self.consumer.ack, [delivery.entry_id])
+        await self.outbox.push(rollouts, delivery.entry_id)  # with the tasks finishing meanwhile (outbox.py)
         if self.num_rollouts == 0:
             timeline(logger, "first rollouts pushed")
         self.num_rollouts += len(rollouts)

@@ -96,7 +96,7 @@ def row(pairs: dict[int, float]) -> dict[int, FakeLogprob]:
 
 
 def to_sample(engine: SamplerEngine, completion: FakeCompletion) -> Sample:
-    return engine._to_sample(completion, weight_version=3, seed=5, queue_s=0.0, generate_s=0.1)
+    return engine._to_samples([completion], weight_version=3, seed=5, queue_s=0.0, generate_s=0.1)[0]
 
 
 def test_sampled_token_outside_topk_replaces_the_kth_entry():
