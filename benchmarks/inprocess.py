@@ -8,6 +8,9 @@ trainer service; the step's weights are the next step's sampler. No queue, no RP
 publish: only generation and the step.
 
     run_inprocess(cfg, steps=40, warmup=5, threads=2) -> {"steps_per_s", "sample_s", "train_s", ...}
+
+`train_cpu_s` is the mean CPU seconds of the step (every thread of the process): what the trainer service's CPU
+seconds per step compare with (`benchmarks.pipeline`'s `trainer_cpu_vs_inprocess_step`), load or not.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
     train_step = TrainStep(model, config=cfg.trainer, pad_id=tokenizer.pad_token_id)
     tasks = TaskSource(cfg.task)
     batch_size = cfg.coordinator.batch_size
-    sample_s, train_s, tokens, rewards = [], [], 0, []
+    sample_s, train_s, train_cpu_s, tokens, rewards = [], [], [], 0, []
     measured_from = cpu_from = None
     for step in range(warmup + steps):
         if step == warmup:
@@ -106,15 +109,16 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
         t0 = time.perf_counter()
         rollouts = generate_rollouts_hf(model, tokenizer, problems, cfg, batch_id=step,
                                         weight_version=train_step.weight_version)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         train_step.train_on(rollouts)
         version = train_step.weight_version + 1  # on-policy: these weights sample the next batch
         train_step.mark_published(version)
         train_step.snapshots.release_below(version)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         if step >= warmup:
             sample_s.append(t1 - t0)
             train_s.append(t2 - t1)
+            train_cpu_s.append(c2 - c1)
             tokens += sum(len(r.response_ids) for r in rollouts)
             rewards.append(float(np.mean([r.reward for r in rollouts])))
     wall = time.perf_counter() - measured_from
@@ -126,6 +130,7 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
         "tokens_per_s": tokens / wall,
         "sample_s": median(sample_s),
         "train_s": median(train_s),
+        "train_cpu_s": sum(train_cpu_s) / len(train_cpu_s),
         "cpu_s_per_step": cpu / steps,
         "reward_first": rewards[0],
         "reward_last": float(np.mean(rewards[-5:])),
