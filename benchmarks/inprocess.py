@@ -8,6 +8,9 @@ trainer service; the step's weights are the next step's sampler. No queue, no RP
 publish: only generation and the step.
 
     run_inprocess(cfg, steps=40, warmup=5, threads=2) -> {"steps_per_s", "sample_s", "train_s", ...}
+
+`train_cpu_s` is the mean CPU seconds of the step (every thread of the process): what the trainer service's CPU
+seconds per step compare with (`benchmarks.pipeline`'s `trainer_cpu_vs_inprocess_step`), load or not.
 """
 
 from __future__ import annotations

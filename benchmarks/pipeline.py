@@ -11,8 +11,10 @@
    step of each service (benchmarks/cpu_usage.py; a sampler's vLLM engine-core process counts as its own).
 2. **inprocess**: benchmarks/inprocess.py, the same model, task, B x G, TrainStep and lr, generating with
    HF `generate`, at each torch thread count of `--threads` (the best one is the reference).
-3. `pipeline_vs_inprocess` = pipeline steps/s / best in-process steps/s; `sampler_vs_hf_generate_cpu` = the
-   samplers' CPU seconds per step / the in-process loop's for HF `generate` and the rewards of the same batch; `overlap_bound` = (sample + train)
+3. `trainer_cpu_vs_inprocess_step`: the trainer service's CPU seconds per step over the loop's step's (its
+   `train_cpu_s`, at the trainer's torch thread count). `sampler_vs_hf_generate_cpu` = the samplers' CPU
+   seconds per step / the in-process loop's for HF `generate` and the rewards of the same batch.
+   `pipeline_vs_inprocess` = pipeline steps/s / best in-process steps/s; `overlap_bound` = (sample + train)
    / max(sample, train) of the in-process loop: what perfect overlap of its two stages could give on
    separate cores (on shared cores, less); `pipeline.cpu_bound_steps_per_s` = cores / the pipeline's CPU
    seconds per step: the most any overlap can give on these cores, and `cpu_bound_vs_inprocess` that bound
@@ -218,6 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         loop = result["inprocess"]["best"]
         if "sampler" in result["pipeline"]["cpu_s_per_step"] and loop.get("sample_cpu_s"):
             result["sampler_vs_hf_generate_cpu"] = result["pipeline"]["cpu_s_per_step"]["sampler"] / loop["sample_cpu_s"]
+        # The trainer's CPU seconds per step against the loop's step on as many torch threads (the same work
+        # but the service's: decoding, RPCs, metrics, checkpoints and the stale version's forward).
+        trainer_threads = cfg.trainer.threads or cores
+        same = [r for r in result["inprocess"]["runs"] if r["threads"] == trainer_threads]
+        step_cpu = (same or [result["inprocess"]["best"]])[0]
+        result["trainer_cpu_vs_inprocess_step"] = {
+            "trainer_cpu_s": result["pipeline"]["cpu_s_per_step"].get("trainer", 0.0),
+            "inprocess_step_cpu_s": step_cpu["train_cpu_s"], "inprocess_threads": step_cpu["threads"],
+            "ratio": result["pipeline"]["cpu_s_per_step"].get("trainer", 0.0) / step_cpu["train_cpu_s"],
+        }
         stages = result["pipeline"]["trainer_stages_s"]
         loop = result["inprocess"]["best"]
         result["separate_devices_model"] = separate_devices(

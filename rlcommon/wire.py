@@ -476,12 +476,62 @@ def _skip(buf: memoryview, pos: int, end: int, where: str, levels: int, max_item
     return pos
 
 
-def _top_level_spans(buf: memoryview, limits: WireLimits) -> dict[str, tuple[int, int]]:
+_ARRAY_HEADS = {b"\x83\xa5dtype\xa3" + dtype.encode() + b"\xa5shape": dtype for dtype in ("<i4", "<f4")}
+"""The bytes an array map starts with as `encode` writes it: a 3-entry map, `dtype`, its value, `shape`."""
+_ARRAY_HEAD_BYTES = len(next(iter(_ARRAY_HEADS)))
+_DATA_KEY = b"\xa4data"
+_UINT_DIMS = {0xCC: _FIXED[0xCC], 0xCD: _FIXED[0xCD], 0xCE: _FIXED[0xCE]}
+_BIN_HEADERS = {byte: (unpack, size) for byte, (kind, unpack, size) in _SIZED.items() if kind == "bin"}
+
+
+def _canonical_array(buf: memoryview, pos: int, end: int) -> tuple[dict[str, Any], int] | None:
+    """The array map at buf[pos:end] read at once when it is laid out as `encode` writes it (`{dtype: fixstr,
+    shape: fixarray of unsigned ints, data: bin}`, in that order): (the map `_read` would build, the position
+    after it); None for any other layout, which the general reader takes (and refuses or reads the same).
+    Each rollout has five such maps: walked and read element by element they were most of decode's time."""
+    dtype = _ARRAY_HEADS.get(bytes(buf[pos : pos + _ARRAY_HEAD_BYTES]))
+    at = pos + _ARRAY_HEAD_BYTES
+    if dtype is None or at >= end or not 0x90 <= buf[at] <= 0x90 + _NESTING[dtype][1]:  # the walk's bound
+        return None
+    shape = []
+    at += 1
+    for _ in range(buf[at - 1] & 0x0F):
+        if at >= end:
+            return None
+        byte = buf[at]
+        if byte < 0x80:
+            shape.append(byte)
+            at += 1
+        elif byte in _UINT_DIMS and at + 1 + _UINT_DIMS[byte][1] <= end:
+            unpack, size = _UINT_DIMS[byte]
+            shape.append(unpack(buf, at + 1)[0])
+            at += 1 + size
+        else:
+            return None
+    if bytes(buf[at : at + len(_DATA_KEY)]) != _DATA_KEY:
+        return None
+    at += len(_DATA_KEY)
+    if at >= end or buf[at] not in _BIN_HEADERS:
+        return None
+    unpack, size = _BIN_HEADERS[buf[at]]
+    if at + 1 + size > end:
+        return None
+    length = unpack(buf, at + 1)[0]
+    start = at + 1 + size
+    if start + length > end:
+        return None
+    return {"dtype": dtype, "shape": shape, "data": buf[start : start + length]}, start + length
+
+
+def _top_level_spans(
+    buf: memoryview, limits: WireLimits, arrays: dict[str, dict[str, Any]] | None = None
+) -> dict[str, tuple[int, int]]:
     """Walk the message's top-level map without building anything: field name -> (start, end) of its value.
 
     Refused here: not a map, a key that is no field of any message or comes twice, a value that nests deeper
     or holds more entries than its field allows (`_NESTING`) or takes more bytes than the field's largest
-    legal value (`field_max_bytes`), trailing bytes."""
+    legal value (`field_max_bytes`), trailing bytes. An array field laid out as `encode` writes it is read
+    on the way (`_canonical_array`: a few small objects, within the field's bounds) into `arrays`."""
     end = len(buf)
     if end == 0:
         raise _truncated()
@@ -510,7 +560,11 @@ def _top_level_spans(buf: memoryview, limits: WireLimits) -> dict[str, tuple[int
         levels, max_items = _NESTING.get(kind, (0, 0))
         if levels == 0 and pos < end and _type_name(buf[pos]) in ("list", "dict"):  # a scalar field
             raise WireError(key, f"expected {_SCALAR_NAMES[kind]}, got {_type_name(buf[pos])}")
-        stop = _skip(buf, pos, end, key, levels, max_items)
+        read = _canonical_array(buf, pos, end) if arrays is not None and kind in ("<i4", "<f4") else None
+        if read is not None:
+            arrays[key], stop = read
+        else:
+            stop = _skip(buf, pos, end, key, levels, max_items)
         most = field_max_bytes(key, limits)
         if stop - pos > most:
             raise WireError(key, f"{stop - pos} bytes, more than its largest legal value ({most} bytes)")
@@ -558,9 +612,12 @@ def _decode_unchecked(data: Any, *, expected: type | None, limits: WireLimits) -
             "message", f"{len(data)} bytes exceeds limits.max_message_bytes={limits.max_message_bytes}"
         )
     buf = memoryview(data if isinstance(data, bytes) else bytes(data))
-    spans = _top_level_spans(buf, limits)
+    arrays: dict[str, dict[str, Any]] = {}
+    spans = _top_level_spans(buf, limits, arrays)
 
     def value(name: str) -> Any:
+        if name in arrays:
+            return arrays[name]
         start, stop = spans[name]
         return _read(buf, start, stop, 1)[0]
 

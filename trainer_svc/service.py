@@ -72,10 +72,14 @@ from trainer_svc.retention import (
     lag_refusal,
     versions_to_delete,
 )
-from trainer_svc.stages import StageClock, rollout_timings
+from trainer_svc.stages import Every, StageClock, rollout_timings
 from trainer_svc.step import StepResult, TrainStep
 
 logger = logging.getLogger("trainer")
+
+QUEUE_GAUGE_INTERVAL_S = 1.0
+"""The most often the wait loop asks Redis for the rollout queue's depth (a Prometheus gauge: scraped every few
+seconds; asked on every pass of the loop it was a round trip or more per step)."""
 
 
 @dataclass
@@ -152,6 +156,8 @@ class TrainerService:
         """Which samplers pin the version they serve (not lost; unhealthy for at most the grace)."""
         self.stages = StageClock()
         """Wall time per stage of the loop, reported in every metrics row (trainer_svc/stages.py)."""
+        self.queue_gauge = Every(QUEUE_GAUGE_INTERVAL_S)
+        """When the wait loop next sets the `rollout_queue_depth` gauge (an XPENDING round trip)."""
         self.stopping = threading.Event()
         """Set by `request_stop` (a stop signal) or `stop`: `run` returns after the current step."""
         self.started = False
@@ -250,10 +256,16 @@ class TrainerService:
                 self.train_batch(self.next_batch_id)
                 continue
             with self.stages.stage("wait"):
-                self.metrics.gauge("rollout_queue_depth", self.consumer.pending_count())
-                self.report_progress()
-                self.accept(self.consumer.read(count=4 * self.samples_per_batch))
+                self.wait_for_rollouts()
         logger.info("done: %d steps trained", self.train_step.step)
+
+    def wait_for_rollouts(self) -> None:
+        """One pass of the wait for the next batch: the queue gauge (at most once a second), the progress report
+        (every `progress_interval_s`), one read of the rollouts stream (blocking up to bus.block_ms)."""
+        if self.queue_gauge.due():
+            self.metrics.gauge("rollout_queue_depth", self.consumer.pending_count())
+        self.report_progress()
+        self.accept(self.consumer.read(count=4 * self.samples_per_batch))
 
     def report_progress(self) -> None:
         """Tell the coordinator which slots of the batch it waits on are filled (every `progress_interval_s`).

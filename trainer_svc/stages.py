@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["StageClock", "rollout_timings"]
+__all__ = ["Every", "StageClock", "rollout_timings"]
 
 
 class StageClock:
@@ -46,6 +46,23 @@ class StageClock:
         self._totals = defaultdict(float)
         self._since = now
         return row
+
+
+class Every:
+    """Side work of the loop that need not run on each of its passes: `due()` is True at the first call and then
+    at most once every `interval_s` (by `clock`)."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._next = -float("inf")
+
+    def due(self) -> bool:
+        now = self._clock()
+        if now < self._next:
+            return False
+        self._next = now + self.interval_s
+        return True
 
 
 def rollout_timings(rollouts: Sequence[Any], received_at: Sequence[float]) -> dict[str, float]:

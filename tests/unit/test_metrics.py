@@ -29,6 +29,29 @@ def test_sink_writes_jsonl_tensorboard_and_prometheus(tmp_path):
     assert "dlc_unittest_publish" not in page  # booleans and strings are not gauges
 
 
+
+def test_tensorboard_gets_every_scalar_of_a_step_in_one_event(tmp_path):
+    """Each numeric value is a TB scalar at its step, read back by TensorBoard's own reader; a step's scalars are one
+    event (not one event per scalar: an event costs a protobuf, a CRC and a write)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    sink = MetricsSink(service="unittest", tensorboard_dir=tmp_path / "tb")
+    rows = [{"ess_lag": 0.75, "reward_mean": 0.5, "loss": 2, "publish": True, "sync_reason": "x"},
+            {"ess_lag": float("nan"), "reward_mean": 0.625, "loss": 1.5}]
+    for step, row in enumerate(rows, start=3):
+        sink.log(step, row)
+    sink.close()
+    [events_file] = list((tmp_path / "tb").iterdir())
+    events = [e for e in EventFileLoader(str(events_file)).Load() if e.HasField("summary")]
+    assert [(e.step, len(e.summary.value)) for e in events] == [(3, 3), (4, 2)]  # NaN, bool and str: no scalar
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    assert sorted(accumulator.Tags()["scalars"]) == ["unittest/ess_lag", "unittest/loss", "unittest/reward_mean"]
+    assert [(s.step, s.value) for s in accumulator.Scalars("unittest/reward_mean")] == [(3, 0.5), (4, 0.625)]
+    assert [(s.step, s.value) for s in accumulator.Scalars("unittest/ess_lag")] == [(3, 0.75)]
+    assert [(s.step, s.value) for s in accumulator.Scalars("unittest/loss")] == [(3, 2.0), (4, 1.5)]
+
 def _listening_on(port: int) -> list[str]:
     """The local addresses of the IPv4 sockets listening on `port` (the kernel's /proc/net/tcp)."""
     found = []

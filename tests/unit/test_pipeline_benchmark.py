@@ -96,3 +96,18 @@ def test_each_invocation_gets_a_fresh_folder_under_out(tmp_path, capsys):
     for folder in folders:
         assert folder.parent == tmp_path and folder.name.startswith("run-")
         assert json.loads((folder / "pipeline.json").read_text())["folder"] == str(folder)
+
+
+def test_the_inprocess_loop_reports_its_steps_cpu_within_its_whole_cpu():
+    """`train_cpu_s` (what benchmarks.pipeline sets the trainer's CPU seconds per step against) is the step's part
+    of the loop's CPU: positive, and no more than the loop's CPU per step (generation + step)."""
+    from benchmarks.inprocess import run_inprocess
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig(cache_dir=REPO_CACHE)
+    threads = torch.get_num_threads()
+    try:
+        result = run_inprocess(cfg, steps=3, warmup=1, threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < result["train_cpu_s"] <= result["cpu_s_per_step"]

@@ -668,3 +668,61 @@ def test_the_largest_legal_rollout_fits_the_derived_max_message_bytes(limits):
     assert len(data) <= largest_rollout_bytes(limits) <= limits.max_message_bytes
     assert limits.max_message_bytes - largest_rollout_bytes(limits) < 1 << 20
     assert largest_rollout_bytes(limits) - len(data) < 4096  # the bound is tight (str headers, key lengths)
+
+
+# ------------------------------------------------------------------- arrays as encode lays them out, read at once
+
+ARRAY_FIELDS = ("prompt_ids", "response_ids", "sampler_logprobs", "topk_ids", "topk_logprobs")
+
+
+def test_arrays_laid_out_as_encode_writes_them_are_read_at_once_into_what_the_general_reader_builds():
+    """decode reads each of a rollout's five array maps in one step (`_canonical_array`) instead of walking and
+    then reading them element by element (most of its time, 32 times per step of the tiny default): the spans and
+    the values are the general reader's."""
+    from rlcommon import wire as wire_module
+
+    data = encode(make_rollout(num_tokens=300, k=4))  # a response of 300 ids: its data's bin header has 2 bytes
+    buf = memoryview(data)
+    arrays: dict = {}
+    spans = wire_module._top_level_spans(buf, WireLimits(), arrays)
+    assert sorted(arrays) == sorted(ARRAY_FIELDS)
+    assert spans == wire_module._top_level_spans(buf, WireLimits())  # the element-by-element walk's spans
+    for name in ARRAY_FIELDS:
+        start, stop = spans[name]
+        general, end = wire_module._read(buf, start, stop, 1)
+        assert end == stop
+        assert {**arrays[name], "data": bytes(arrays[name]["data"])} == {**general, "data": bytes(general["data"])}
+        assert list(arrays[name]) == list(general)  # same key order
+
+
+@pytest.mark.parametrize("layout", ["keys in another order", "a uint16 dimension", "a bin8 holding nothing"])
+def test_arrays_laid_out_otherwise_decode_the_same(layout):
+    from rlcommon import wire as wire_module
+
+    rollout = make_rollout(num_tokens=200, k=2)
+    body = wire_dict(rollout)
+    if layout == "keys in another order":
+        body["topk_ids"] = {"data": body["topk_ids"]["data"], "shape": body["topk_ids"]["shape"], "dtype": "<i4"}
+        odd = "topk_ids"
+    elif layout == "a uint16 dimension":  # dims are written in the shortest form: 200 is a uint8, so force 16 bits
+        data = repack(body)
+        odd, old = "response_ids", b"\xa5shape\x91\xcc\xc8"
+        assert data.count(old) == 2  # response_ids and sampler_logprobs
+        data = data.replace(old, b"\xa5shape\x91\xcd\x00\xc8", 1)
+    else:
+        body["prompt_ids"] = {"dtype": "<i4", "shape": [0], "data": b""}
+        odd = "prompt_ids"
+    data = data if layout == "a uint16 dimension" else repack(body)
+    arrays: dict = {}
+    wire_module._top_level_spans(memoryview(data), WireLimits(), arrays)
+    if layout == "a bin8 holding nothing":  # canonical, read at once, then refused as decode always did
+        assert "prompt_ids" in arrays
+        assert expect_error(data, "prompt_ids").reason == "has 0 tokens, needs at least 1"
+        return
+    if layout == "keys in another order":  # the general reader's
+        assert odd not in arrays and len(arrays) == len(ARRAY_FIELDS) - 1
+    else:  # a dimension in a longer form than needed: read at once all the same
+        assert arrays[odd]["shape"] == [200]
+    decoded = decode(data, expected=Rollout)
+    for name in ARRAY_FIELDS:
+        np.testing.assert_array_equal(getattr(decoded, name), getattr(rollout, name))
