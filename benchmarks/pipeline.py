@@ -216,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         result["pipeline_vs_inprocess"] = result["pipeline"]["steps_per_s"] / best
         result["cpu_bound_vs_inprocess"] = result["pipeline"]["cpu_bound_steps_per_s"] / best
         # The sampler's CPU per step (its process and its vLLM engine core) against the loop's HF generate + rewards
-        # for the same batch (its best thread count's run; benchmarks.sampler_cpu takes the sampler's apart)
-        loop = result["inprocess"]["best"]
+        # for the same batch (benchmarks.sampler_cpu takes the sampler's apart)
+        # on one torch thread, as the launcher runs the sampler (OMP_NUM_THREADS=1): more threads burn more CPU
+        one_thread = [r for r in result["inprocess"]["runs"] if r["threads"] == 1]
+        loop = (one_thread or [result["inprocess"]["best"]])[0]
         if "sampler" in result["pipeline"]["cpu_s_per_step"] and loop.get("sample_cpu_s"):
             result["sampler_vs_hf_generate_cpu"] = result["pipeline"]["cpu_s_per_step"]["sampler"] / loop["sample_cpu_s"]
         # The trainer's CPU seconds per step against the loop's step on as many torch threads (the same work
