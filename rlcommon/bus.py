@@ -217,7 +217,8 @@ class RedisConnection:
 
     def call(self, fn: Callable[[redis.Redis], T]) -> T:
         """Run `fn(client)`, retrying with exponential backoff (50 ms doubling to 2 s) while Redis is
-        unreachable or loading; raises BusUnavailableError after reconnect_max_s.
+        unreachable or loading (a connection lost inside a WATCH included); raises BusUnavailableError after
+        reconnect_max_s.
 
         A retried write may have been applied before the connection broke (at-least-once): consumers
         deduplicate by message id (rollout_id, task_id).
@@ -235,7 +236,12 @@ class RedisConnection:
                 ) from exc
             except redis.exceptions.AuthorizationError:
                 raise
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except (redis.ConnectionError, redis.TimeoutError, redis.WatchError) as exc:
+                # redis-py turns a lost connection inside WATCH ... EXEC into a WatchError ("A ConnectionError
+                # occurred while watching one or more keys"): that is an outage, not a conflict.
+                if isinstance(exc, redis.WatchError) and not isinstance(
+                        exc.__cause__ or exc.__context__, (redis.ConnectionError, redis.TimeoutError)):
+                    raise
                 if _stopping.is_set():
                     raise BusUnavailableError(
                         f"redis at {self.display_url} unreachable while this process stops ({exc}); not retried"

@@ -470,3 +470,36 @@ def test_reject_dead_letters_decoded_messages_with_original_bytes(conn):
     assert fields[b"reason"] == b"batch_id 0 is not planned"
     assert fields[b"entry_id"] == deliveries[1].entry_id
     assert fields[b"data"] == encode(make_task(1))
+
+
+def test_a_connection_lost_inside_watch_is_retried_like_any_outage(conn):
+    """redis-py reports a connection lost between WATCH and EXEC as a WatchError (caused by the
+    ConnectionError); `call` retries it as the outage it is, as the bus's snapshot (a sampler's backpressure
+    check) needs when Redis restarts under it. A real WATCH conflict is still the caller's to handle."""
+    import redis as redis_lib
+
+    killer = redis_lib.Redis.from_url(conn.url)
+    attempts = []
+
+    def watched_read(client):
+        with client.pipeline(transaction=True) as pipe:
+            pipe.watch("dlc:test:watched")
+            attempts.append(pipe.client_id())
+            if len(attempts) == 1:  # the server drops this connection, as a restart does
+                killer.client_kill_filter(_id=attempts[0])
+            return pipe.get("dlc:test:watched")
+
+    assert conn.call(watched_read) is None
+    assert len(attempts) == 2 and attempts[0] != attempts[1]
+
+    def conflicting(client):
+        with client.pipeline(transaction=True) as pipe:
+            pipe.watch("dlc:test:watched")
+            killer.set("dlc:test:watched", "changed by another client")
+            pipe.multi()
+            pipe.get("dlc:test:watched")
+            return pipe.execute()
+
+    with pytest.raises(redis_lib.WatchError):
+        conn.call(conflicting)
+    killer.close()
