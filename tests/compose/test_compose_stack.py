@@ -183,9 +183,22 @@ def test_two_sampler_replicas_train_together(stack):
 
     stack.wait("10 trained batches with rollouts from both replicas", both_contributed, timeout=600)
     print(stack.compose("ps", "--format", "table {{.Name}}\t{{.Status}}\t{{.Ports}}").stdout)
-    for c in stack.containers("sampler") + [stack.one("trainer"), stack.one("coordinator")]:
-        c.reload()
-        assert c.attrs["State"]["Health"]["Status"] == "healthy", (c.name, c.attrs["State"]["Health"])
+
+    def health() -> dict[str, str]:
+        states = {}
+        for c in stack.containers("sampler") + [stack.one("trainer"), stack.one("coordinator")]:
+            c.reload()
+            states[c.name] = c.attrs["State"]["Health"]["Status"]
+        return states
+
+    # Each check runs every 15 s (the images' HEALTHCHECK): a replica that started serving just before the
+    # 10th batch may not have been checked yet. Every one must turn healthy, none unhealthy on the way.
+    def all_healthy() -> bool:
+        states = health()
+        assert "unhealthy" not in states.values(), states
+        return set(states.values()) == {"healthy"}
+
+    stack.wait("every sampler, the trainer and the coordinator healthy", all_healthy, timeout=120)
 
 
 def test_dlcctl_from_the_host_agrees_with_the_trainer(stack):
