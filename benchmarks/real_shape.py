@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from rlcommon.config import ModelConfig, SamplerConfig, SamplingConfig, TaskConfig, TrainerConfig
+from rlcommon.environ import scoped_environ
 from rlcommon.wire import Rollout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,16 +217,8 @@ def _in_child(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=_child_main, args=(target, kwargs, results), name=name)
-    saved = {key: os.environ.get(key) for key in env or {}}
-    os.environ.update(env or {})
-    try:
+    with scoped_environ(env or {}):
         proc.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     started, peak_seen, stopped = time.monotonic(), 0, None
     try:
         while True:

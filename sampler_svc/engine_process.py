@@ -29,6 +29,8 @@ import threading
 from collections.abc import Iterator
 from typing import Literal
 
+from rlcommon.environ import scoped_environ
+
 __all__ = ["EngineStart", "engine_core_start", "forget_parent_signals"]
 
 EngineStart = Literal["fork", "spawn"]
@@ -69,20 +71,6 @@ def _register_at_fork() -> None:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
 def engine_core_start(method: EngineStart | None, *, without_compile: bool = False) -> Iterator[None]:
     """Within the block vLLM starts its processes with `method` (None: as vLLM decides), and, with
     `without_compile`, those processes run with torch.compile off; this process is left as it was (the
@@ -97,7 +85,7 @@ def engine_core_start(method: EngineStart | None, *, without_compile: bool = Fal
     with _register_lock:
         _child_without_compile = without_compile
     try:
-        with _environment(values):
+        with scoped_environ(values):
             yield
     finally:
         with _register_lock:
