@@ -247,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ledger: dict[str, Any] = {}
 
     def before_stop(stack: Any) -> None:
-        from protos import coordinator_pb2 as pb
-
-        status = stack.client.call("GetStatus", pb.GetStatusRequest(), timeout_s=30)
+        status = stack.coordinator.status(timeout_s=30)
         ledger.update(trained=status.batches.trained, trained_through=status.batches.trained_through,
                       num_syncs=status.num_syncs, published_version=status.published_version)
 

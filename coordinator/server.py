@@ -244,6 +244,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             reason=answer.decision.reason,
             next_weight_version=answer.next_weight_version,
             batches=convert.counts_pb(answer.counts),
+            samplers=[convert.sampler_pb(v) for v in answer.samplers],
         )
 
     async def AnnouncePublished(

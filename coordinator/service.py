@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator.planner import BATCH_STATUSES, BatchCounts, BatchLedger, BatchPlanner, BatchRecord
@@ -94,6 +94,8 @@ class StepAnswer:
     decision: SyncDecision
     next_weight_version: int
     counts: BatchCounts
+    samplers: list[SamplerView] = field(default_factory=list)
+    """Every sampler known, with the version it serves (the trainer releases snapshots nobody serves)."""
 
 
 @dataclass(frozen=True)
@@ -765,7 +767,8 @@ class Coordinator:
         self._steps_total += 1
         logger.info("step %d (batch %d): publish=%s (%s)", step, batch_id, decision.publish, decision.reason)
         self._plan_ahead()
-        return StepAnswer(decision, self._next_version(weight_version), self.ledger.counts(self.ccfg.total_batches))
+        return StepAnswer(decision, self._next_version(weight_version), self.ledger.counts(self.ccfg.total_batches),
+                          self.sampler_views())
 
     def _next_version(self, trainer_version: int = 0) -> int:
         """The number of the next version to publish: after the published one, and after the trainer's own
@@ -778,13 +781,15 @@ class Coordinator:
         counts = self.ledger.counts(self.ccfg.total_batches)
         announced = next((s for s in self.syncs.history() if s.step == step), None)
         if announced is not None:
-            return StepAnswer(SyncDecision(True, announced.reason), announced.weight_version, counts)
+            return StepAnswer(SyncDecision(True, announced.reason), announced.weight_version, counts, self.sampler_views())
         pending = self._pending_publish
         if pending is not None and pending["step"] == step:
-            return StepAnswer(SyncDecision(True, pending["reason"]), self._next_version(self._trainer_version), counts)
+            return StepAnswer(SyncDecision(True, pending["reason"]), self._next_version(self._trainer_version), counts,
+                              self.sampler_views())
         last = self._last_step
         reason = last.reason if last is not None and last.step == step else f"step {step} was reported before"
-        return StepAnswer(SyncDecision(False, reason), self._next_version(self._trainer_version), counts)
+        return StepAnswer(SyncDecision(False, reason), self._next_version(self._trainer_version), counts,
+                          self.sampler_views())
 
     @staticmethod
     def _check_rollouts_by_sampler(counts: Mapping[str, int], record: BatchRecord) -> dict[str, int]:

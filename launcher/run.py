@@ -18,9 +18,9 @@ from launcher.processes import ServiceDied, service_died
 from launcher.run_folder import RunFinishedError, check_not_finished
 from launcher.stack import LocalStack
 from rlcommon.config import ConfigError, RunConfig
+from rlcommon.coordinator_api import Coordinator
 from rlcommon.logs import process_started_monotonic
 from rlcommon.metrics import JsonlFollower, read_jsonl
-from rlcommon.rpc import CoordinatorClient
 
 logger = logging.getLogger("launcher")
 POLL_S = 0.5
@@ -55,12 +55,10 @@ def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: di
     }
 
 
-def coordinator_snapshot(client: CoordinatorClient) -> dict[str, Any]:
+def coordinator_snapshot(coordinator: Coordinator) -> dict[str, Any]:
     """Current version, sync history (oldest first) and status of the live coordinator."""
-    from protos import coordinator_pb2 as pb
-
-    status = client.call("GetStatus", pb.GetStatusRequest(), timeout_s=10)
-    syncs = client.call("ListSyncs", pb.ListSyncsRequest(limit=10_000), timeout_s=10).syncs
+    status = coordinator.status(timeout_s=10)
+    syncs = coordinator.syncs(limit=10_000, timeout_s=10)
     return {
         "current_version": status.published_version,
         "num_syncs": status.num_syncs,
@@ -193,7 +191,7 @@ def run(
         stack.timeline("trainer done (exited)")
         progress.update()
         rows = read_jsonl(stack.run_dir / "metrics.jsonl")  # every row, once, for the summary and plots
-        snapshot = coordinator_snapshot(stack.client)
+        snapshot = coordinator_snapshot(stack.coordinator)
         snapshot["dead_letters"] = dead_letter_count(stack.redis_url, cfg.bus.run_id)
         if before_stop is not None:
             before_stop(stack)

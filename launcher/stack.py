@@ -28,6 +28,7 @@ from launcher.processes import (
     wait_for_coordinator,
 )
 from rlcommon.config import RunConfig, dump_toml
+from rlcommon.coordinator_api import Coordinator
 from rlcommon.logs import STARTED_ENV, TIMELINE_PREFIX
 from rlcommon.rpc import CoordinatorClient
 
@@ -75,6 +76,8 @@ class LocalStack:
         """What the launcher prints: it carries the read-only token only, never auth_token."""
         self.client = CoordinatorClient.from_config(cfg.coordinator, address=self.address)
         """The launcher's own client of the coordinator (health, summary); tests use it too."""
+        self.coordinator = Coordinator(self.client)
+        """The same client's typed calls (rlcommon/coordinator_api.py)."""
         self.specs: dict[str, ServiceSpec] = {}
         self.restarts: dict[str, int] = {}
         """Restarts of each service by `restart_exited` (only the services restarted; redis-server as `redis`)."""

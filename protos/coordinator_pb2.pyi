@@ -358,16 +358,18 @@ class ReportStepRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., batch_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., rollouts_by_sampler: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ReportStepResponse(_message.Message):
-    __slots__ = ("publish", "reason", "next_weight_version", "batches")
+    __slots__ = ("publish", "reason", "next_weight_version", "batches", "samplers")
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NEXT_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLERS_FIELD_NUMBER: _ClassVar[int]
     publish: bool
     reason: str
     next_weight_version: int
     batches: BatchCounts
-    def __init__(self, publish: _Optional[bool] = ..., reason: _Optional[str] = ..., next_weight_version: _Optional[int] = ..., batches: _Optional[_Union[BatchCounts, _Mapping]] = ...) -> None: ...
+    samplers: _containers.RepeatedCompositeFieldContainer[SamplerInfo]
+    def __init__(self, publish: _Optional[bool] = ..., reason: _Optional[str] = ..., next_weight_version: _Optional[int] = ..., batches: _Optional[_Union[BatchCounts, _Mapping]] = ..., samplers: _Optional[_Iterable[_Union[SamplerInfo, _Mapping]]] = ...) -> None: ...
 
 class AnnouncePublishedRequest(_message.Message):
     __slots__ = ("weight_version", "path", "sha256", "step", "reason")

@@ -26,13 +26,12 @@ from pathlib import Path
 
 import grpc
 
-from protos import coordinator_pb2 as pb
 from rlcommon.bus import TASKS_GROUP, Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import RunConfig
+from rlcommon.coordinator_api import AsyncCoordinator, WeightUpdate
 from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
-from rlcommon.rpc import AsyncCoordinatorClient
 from rlcommon.weight_store import WeightsError, resolve_announced_version
 from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, SamplerEngine
@@ -57,11 +56,11 @@ class SamplerService:
         self.engine: SamplerEngine | None = None
         self.conn: RedisConnection | None = None
         self.outbox: Outbox | None = None
-        self.coordinator: AsyncCoordinatorClient | None = None
+        self.coordinator: AsyncCoordinator | None = None
         self.failure: BaseException | None = None
         self.published_version = 0
         """The newest version the coordinator published, as this sampler last heard (updates, heartbeats)."""
-        self.wanted_update: pb.WeightUpdate | None = None
+        self.wanted_update: WeightUpdate | None = None
         """The newest weight update heard of: what the loader loads while the engine serves an older version."""
         self.newer_update = asyncio.Event()
         """Set when `wanted_update` changed (wakes the loader)."""
@@ -88,7 +87,7 @@ class SamplerService:
         # The trainer trims the rollouts it acked: a sampler may not XTRIM (it could drop unread rollouts).
         self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts", trim=False)
         self.outbox = Outbox(self.producer, self.consumer)
-        self.coordinator = AsyncCoordinatorClient.from_config(cfg.coordinator)
+        self.coordinator = AsyncCoordinator.from_config(cfg.coordinator)
         start_metrics_server(cfg.sampler.metrics_port, cfg.sampler.metrics_host)
         self.metrics = MetricsSink(service="sampler")
         await self.register()
@@ -176,13 +175,10 @@ class SamplerService:
     # ------------------------------------------------------------------------------------ coordinator side
 
     async def register(self) -> None:
-        request = pb.RegisterSamplerRequest(
-            sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
-            hostname=socket.gethostname(), pid=os.getpid(),
-        )
-        reply = await self.coordinator.call("RegisterSampler", request)
+        reply = await self.coordinator.register(sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
+                                                hostname=socket.gethostname(), pid=os.getpid())
         self.note_published(reply.published_version)
-        if reply.HasField("latest"):
+        if reply.latest is not None:
             self.want(reply.latest)
         if self.load_error and self.wanted_update is not None:  # registering again cleared it at the coordinator
             await self.ack(self.wanted_update.weight_version, error=self.load_error, load_s=0.0)
@@ -191,11 +187,9 @@ class SamplerService:
         """Keep a SubscribeWeightUpdates stream open; reload and ack each update; resubscribe on loss."""
         attempt = 0
         while not self.stopping.is_set():
-            request = pb.SubscribeWeightUpdatesRequest(
-                sampler_id=self.sampler_id, weight_version=self.engine.weight_version
-            )
             try:
-                async for update in self.coordinator.stream("SubscribeWeightUpdates", request):
+                async for update in self.coordinator.weight_updates(sampler_id=self.sampler_id,
+                                                                    weight_version=self.engine.weight_version):
                     attempt = 0
                     if update.weight_version <= self.engine.weight_version:  # served already (or newer)
                         self.note_published(update.weight_version)
@@ -211,7 +205,7 @@ class SamplerService:
             await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
             attempt += 1
 
-    def want(self, update: pb.WeightUpdate) -> None:
+    def want(self, update: WeightUpdate) -> None:
         """Note a weight update; the loader loads the newest one newer than the engine's version."""
         self.note_published(update.weight_version)
         if update.weight_version <= self.engine.weight_version:
@@ -267,7 +261,7 @@ class SamplerService:
         (`<run_dir>/weights`, where the trainer publishes)."""
         return Path(self.cfg.sampler.weights_dir) if self.cfg.sampler.weights_dir is not None else self.cfg.publish_dir
 
-    def version_path(self, update: pb.WeightUpdate) -> Path:
+    def version_path(self, update: WeightUpdate) -> Path:
         """The update's version folder as this sampler sees it, resolved; WeightsError unless it is the update's
         `v{version:06d}` directly inside `weights_root()` (with `sampler.weights_dir` set, looked up there by name)."""
         announced = Path(update.path)
@@ -275,7 +269,7 @@ class SamplerService:
             announced = Path(self.cfg.sampler.weights_dir) / announced.name
         return resolve_announced_version(self.weights_root(), announced, update.weight_version)
 
-    async def apply_update(self, update: pb.WeightUpdate) -> bool:
+    async def apply_update(self, update: WeightUpdate) -> bool:
         """Load `update` into the engine and ack it (with the error when the load failed); True once loaded."""
         started = time.perf_counter()
         try:
@@ -298,21 +292,19 @@ class SamplerService:
         return not self.load_error
 
     async def ack(self, weight_version: int, *, error: str, load_s: float) -> None:
-        request = pb.AckWeightVersionRequest(
-            sampler_id=self.sampler_id, weight_version=weight_version, error=error, load_s=load_s
-        )
-        reply = await self.coordinator.call("AckWeightVersion", request)
-        self.note_published(reply.published_version)
+        published = await self.coordinator.ack_weight_version(sampler_id=self.sampler_id, weight_version=weight_version,
+                                                              error=error, load_s=load_s)
+        self.note_published(published)
 
     async def heartbeats(self) -> None:
         while not self.stopping.is_set():
-            request = pb.HeartbeatRequest(
-                sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
-                num_inflight_tasks=len(self.inflight), num_rollouts=self.num_rollouts, num_tokens=self.num_tokens,
-            )
             try:
-                reply = await self.coordinator.call("Heartbeat", request, timeout_s=10, retry=False)
-                self.note_published(reply.published_version)
+                published = await self.coordinator.heartbeat(
+                    sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
+                    num_inflight_tasks=len(self.inflight), num_rollouts=self.num_rollouts, num_tokens=self.num_tokens,
+                    timeout_s=10, retry=False,
+                )
+                self.note_published(published)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     with contextlib.suppress(grpc.aio.AioRpcError):

@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from rlcommon.coordinator_api import HEALTHY, LOST, UNHEALTHY  # the health names the coordinator answers with
+
 __all__ = ["HEALTHY", "LOST", "UNHEALTHY", "SamplerPins", "SamplerState", "lag_refusal", "versions_to_delete"]
 
-HEALTHY, UNHEALTHY, LOST = "healthy", "unhealthy", "lost"
 
 logger = logging.getLogger("trainer")
 

@@ -25,12 +25,10 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import torch
 
-from protos import coordinator_pb2 as pb
 from rlcommon.bus import (
     DATA_FIELD,
     ROLLOUTS_GROUP,
@@ -41,11 +39,11 @@ from rlcommon.bus import (
     stream_key,
 )
 from rlcommon.config import RunConfig
+from rlcommon.coordinator_api import Coordinator, SamplerVersion, Status, StepAnswer
 from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.plan_ids import slot_rollout_id
-from rlcommon.rpc import CoordinatorClient
 from rlcommon.token_stats import encode_token_stats
 from rlcommon.tokenizer import load_tokenizer
 from rlcommon.weight_store import (
@@ -64,9 +62,6 @@ from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint
 from trainer_svc.parallel import DataParallel
 from trainer_svc.ranks import Ranks
 from trainer_svc.retention import (
-    HEALTHY,
-    LOST,
-    UNHEALTHY,
     SamplerPins,
     SamplerState,
     lag_refusal,
@@ -165,7 +160,7 @@ class TrainerService:
         self._first_step_logged = False
         self.ranks: Ranks | None = None
         self.metrics: MetricsSink | None = None
-        self.coordinator: CoordinatorClient | None = None
+        self.coordinator: Coordinator | None = None
         self.conn: RedisConnection | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -198,7 +193,7 @@ class TrainerService:
         )
         # Trims the rollouts it acked past bus.max_stream_len (samplers may not XTRIM: rlcommon/redis_acl.py).
         self.rollouts = StreamProducer.from_config(self.conn, cfg.bus, "rollouts", backpressure=False)
-        self.coordinator = CoordinatorClient.from_config(cfg.coordinator)
+        self.coordinator = Coordinator.from_config(cfg.coordinator)
         self.refresh_status()
         start_metrics_server(cfg.trainer.metrics_port, cfg.trainer.metrics_host)
         metrics_path = self.run_dir / "metrics.jsonl"
@@ -277,16 +272,16 @@ class TrainerService:
         self._next_progress_report_s = now + self.progress_interval_s
         buffer = self.buffers.get(self.next_batch_id)
         filled = sorted(g * self.group_size + s for g, s in buffer.rollouts) if buffer is not None else []
-        request = pb.ReportBatchProgressRequest(batch_id=self.next_batch_id, filled_slots=filled)
         try:
-            reply = self.coordinator.call("ReportBatchProgress", request, timeout_s=10, retry=False)
+            reissued = self.coordinator.report_batch_progress(self.next_batch_id, filled_slots=filled, timeout_s=10,
+                                                              retry=False)
         except grpc.RpcError as err:
             logger.warning("ReportBatchProgress failed (retried in %.1f s): %s", self.progress_interval_s,
                            err.details() if hasattr(err, "details") else err)
             return
-        if reply.reissued_slots:
+        if reissued:
             logger.warning("batch %d: %d of %d slots filled and no progress: the coordinator re-issued %d slots",
-                           self.next_batch_id, len(filled), self.samples_per_batch, len(reply.reissued_slots))
+                           self.next_batch_id, len(filled), self.samples_per_batch, len(reissued))
 
     def accept(self, deliveries: list[Delivery]) -> None:
         """Buffer valid rollouts of planned batches (one per slot); drop duplicates; dead-letter what cannot
@@ -363,7 +358,7 @@ class TrainerService:
         slots = sorted(buffer.rollouts)
         rollouts = [buffer.rollouts[slot] for slot in slots]
         with self.stages.stage("mark_complete"):
-            self.rpc("MarkBatchComplete", pb.MarkBatchCompleteRequest(batch_id=batch_id, num_rollouts=len(rollouts)))
+            self.coordinator.mark_batch_complete(batch_id, num_rollouts=len(rollouts))
         with self.stages.stage("train"):
             result = self.ranks.do("train", rollouts=rollouts)
         if result.skipped:
@@ -372,16 +367,9 @@ class TrainerService:
         stats = {k: float(v) for k, v in result.metrics.items() if isinstance(v, int | float)}
         by_sampler = Counter(r.sampler_id for r in rollouts)
         with self.stages.stage("report"):
-            reply = self.rpc(
-                "ReportStep",
-                pb.ReportStepRequest(
-                    step=step,
-                    batch_id=batch_id,
-                    weight_version=self.train_step.weight_version,
-                    stats=stats,
-                    rollouts_by_sampler=by_sampler,
-                ),
-            )
+            reply = self.coordinator.report_step(step=step, batch_id=batch_id,
+                                                 weight_version=self.train_step.weight_version, stats=stats,
+                                                 rollouts_by_sampler=by_sampler)
         self.planned_batches = max(self.planned_batches, reply.batches.total)
         synced = None
         if reply.publish:
@@ -420,7 +408,7 @@ class TrainerService:
             with self.stages.stage("checkpoint"):  # in the next row: this one is written
                 self.checkpoint()
         with self.stages.stage("release"):
-            self.release_old_versions()
+            self.release_old_versions(reply)
 
     def keep_token_stats(self, batch_id: int, step: int, slots: list[tuple[int, int]], rollouts: list[Rollout],
                          result: StepResult, *, entry_ids: list[bytes]) -> None:
@@ -460,13 +448,8 @@ class TrainerService:
             )
             del whole
         self.ranks.do("keep", weight_version=weight_version)
-        self.rpc(
-            "AnnouncePublished",
-            pb.AnnouncePublishedRequest(
-                weight_version=weight_version, path=str(Path(published.path).resolve()), sha256=published.sha256,
-                step=step, reason=reason,
-            ),
-        )
+        self.coordinator.announce_published(weight_version=weight_version, path=str(Path(published.path).resolve()),
+                                            sha256=published.sha256, step=step, reason=reason)
         self.published_version = max(self.published_version, weight_version)
         self.delete_old_versions()
         return weight_version
@@ -477,10 +460,10 @@ class TrainerService:
         the active sync's version, versions ahead of the trainer (a replay reuses them), the newest
         `trainer.keep_versions.latest` and the multiples of `keep_versions.every`."""
         status = self.refresh_status()
-        serving = self.sampler_pins.serving_versions(sampler_states(status))
+        serving = self.sampler_pins.serving_versions(sampler_states(status.samplers))
         pinned = set(self.train_step.snapshots.versions)
-        if status.HasField("sync_in_progress"):
-            pinned.add(status.sync_in_progress.weight_version)
+        if status.sync_in_progress is not None:
+            pinned.add(status.sync_in_progress)
         keep = self.cfg.trainer.keep_versions
         doomed = versions_to_delete(
             published_versions(self.cfg.publish_dir), pinned=pinned,
@@ -544,21 +527,20 @@ class TrainerService:
             self.rollouts.trim_if_long()
         self.write_state()
 
-    def release_old_versions(self) -> None:
+    def release_old_versions(self, answer: StepAnswer) -> None:
         """Drop snapshots that no planned batch can contain any more.
 
         Once every live sampler serves a version newer than v, only batches planned so far can hold
         rollouts of v (later batches' tasks do not exist yet); v is released when all of those are trained.
         A sampler unhealthy for longer than `trainer.unhealthy_sampler_grace_s` counts as gone, as a lost one
         does (`SamplerPins`): its later rollouts of a released version are dead-lettered and re-issued.
-        With only the live version kept there is nothing to release (and no status to ask for).
+        The samplers' versions and the planned batches are those of the step's ReportStep answer (`answer`).
         """
         if len(self.train_step.snapshots.versions) <= 1:
             return
-        status = self.refresh_status()
-        serving = self.sampler_pins.serving_versions(sampler_states(status))
+        serving = self.sampler_pins.serving_versions(sampler_states(answer.samplers))
         floor = min(serving, default=self.train_step.weight_version)
-        last_planned = status.batches.total - 1
+        last_planned = answer.batches.total - 1
         for version in self.train_step.snapshots.versions:
             if version < floor and version not in self.release_after:
                 self.release_after[version] = last_planned
@@ -576,14 +558,14 @@ class TrainerService:
         if released:
             logger.info("released weight snapshots %s", released)
 
-    def refresh_status(self, *, throttle: bool = False) -> Any:
+    def refresh_status(self, *, throttle: bool = False) -> Status | None:
         """The coordinator's status; updates the published version and planned batches the rollout checks
         use. With `throttle`, at most one RPC a second (None when skipped): a flood of bad rollouts must not
         become a flood of RPCs."""
         if throttle and time.monotonic() < self._next_status_check_s:
             return None
         self._next_status_check_s = time.monotonic() + 1.0
-        status = self.rpc("GetStatus", pb.GetStatusRequest())
+        status = self.coordinator.status()
         self.published_version = max(self.published_version, status.published_version)
         self.planned_batches = max(self.planned_batches, status.batches.total)
         return status
@@ -603,16 +585,11 @@ class TrainerService:
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         os.replace(tmp, path)
 
-    def rpc(self, method: str, request: Any) -> Any:
-        return self.coordinator.call(method, request)
 
 
-SAMPLER_HEALTH = {pb.SAMPLER_HEALTHY: HEALTHY, pb.SAMPLER_UNHEALTHY: UNHEALTHY, pb.SAMPLER_LOST: LOST}
-
-
-def sampler_states(status: Any) -> list[SamplerState]:
-    """The samplers of a GetStatus reply (a health the trainer does not know counts as healthy: it pins)."""
-    return [SamplerState(s.sampler_id, s.weight_version, SAMPLER_HEALTH.get(s.health, HEALTHY)) for s in status.samplers]
+def sampler_states(samplers: tuple[SamplerVersion, ...]) -> list[SamplerState]:
+    """The coordinator's samplers as the retention rules take them."""
+    return [SamplerState(s.sampler_id, s.weight_version, s.health) for s in samplers]
 
 
 def truncate_metrics(path: Path, *, before_step: int) -> int:

@@ -1109,3 +1109,33 @@ def test_python_m_coordinator_fatal_errors_exit_non_zero(tmp_path):
     assert (
         no_redis.returncode == 1 and "coordinator: error: redis at redis://127.0.0.1:1/0 unreachable" in out
     )
+
+
+def test_the_typed_client_speaks_every_trainer_call_and_the_step_answer_lists_the_samplers(server):
+    """rlcommon.coordinator_api against the real server: ReportStep's answer carries every sampler with the
+    version it serves (the trainer releases snapshots from it, without a GetStatus)."""
+    from rlcommon import coordinator_api as api
+    from rlcommon.rpc import CoordinatorClient
+
+    register(server.stub, "s-old", version=0)
+    register(server.stub, "s-new", version=0)
+    typed = api.Coordinator(CoordinatorClient(server.address, token=None, max_wait_s=5))
+    try:
+        typed.mark_batch_complete(0, num_rollouts=B * G)
+        answer = typed.report_step(step=0, batch_id=0, weight_version=0, stats={"reward_mean": 0.5},
+                                   rollouts_by_sampler={"s-old": B * G})
+        assert isinstance(answer, api.StepAnswer) and not answer.publish
+        assert answer.batches.trained == 1 and answer.batches.trained_through == 0
+        assert sorted(answer.samplers, key=lambda s: s.sampler_id) == [api.SamplerVersion("s-new", 0, api.HEALTHY),
+                                                                        api.SamplerVersion("s-old", 0, api.HEALTHY)]
+        typed.announce_published(weight_version=1, path="/w/v000001", sha256=SHA, step=0, reason="test")
+        server.stub.AckWeightVersion(pb.AckWeightVersionRequest(sampler_id="s-new", weight_version=1))
+        answer = typed.report_step(step=1, batch_id=1, weight_version=1, stats={"reward_mean": 0.5})
+        assert {s.sampler_id: s.weight_version for s in answer.samplers} == {"s-new": 1, "s-old": 0}
+        status = typed.status()
+        assert (status.published_version, status.trainer_version, status.batches.trained_through) == (1, 1, 1)
+        assert {s.sampler_id for s in status.samplers} == {"s-new", "s-old"}
+        assert [(s.weight_version, s.step, s.reason) for s in typed.syncs()] == [(1, 0, "test")]
+        assert typed.report_batch_progress(2, filled_slots=[0, 1]) == ()
+    finally:
+        typed.close()

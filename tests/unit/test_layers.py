@@ -103,3 +103,20 @@ def test_no_import_circle():
         if module not in state:
             visit(module)
     assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+PROTO_SPEAKERS = {"rlcommon.coordinator_api", "rlcommon.rpc"}
+"""Outside coordinator/, the modules that build or read protobuf messages: the typed client and its transport."""
+
+
+def test_only_the_coordinator_and_its_typed_client_import_protos():
+    """Everyone else calls the coordinator through rlcommon.coordinator_api, so its imports find every speaker."""
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.split(".")[0] not in ("coordinator", "protos") and module not in PROTO_SPEAKERS
+        for target in targets
+        if target.split(".")[0] == "protos" and target != "protos.codegen"
+    )
+    assert not wrong, "only coordinator/ and " + ", ".join(sorted(PROTO_SPEAKERS)) + " may import protos:\n" + \
+        "\n".join(wrong)
