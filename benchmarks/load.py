@@ -41,10 +41,11 @@ from rlcommon.bus import RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import WireLimits
 from rlcommon.embedded_redis import EmbeddedRedis
 from rlcommon.plan_ids import slot_rollout_id
+from rlcommon.streams import ROLLOUTS, ROLLOUTS_GROUP, stream_key
 from rlcommon.wire import Rollout, encode
 
-STREAM = "dlc:load:rollouts"
-GROUP = "trainer"
+STREAM = stream_key("load", ROLLOUTS)
+GROUP = ROLLOUTS_GROUP
 VOCAB_SIZE = 32_000
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from coordinator.service import InvalidArgument
 from coordinator.state import CoordinatorStore
-from rlcommon.bus import DATA_FIELD, stream_key
+from rlcommon.streams import DATA_FIELD, DEADLETTER, ROLLOUTS, TOKENS, stream_key
 from rlcommon.token_stats import decode_token_stats
 from rlcommon.wire import Rollout, WireError, decode
 
@@ -141,7 +141,7 @@ class DashboardData:
                 "acked": list(s.acked), "unhealthy": list(s.unhealthy)}
 
     def dead_letters(self) -> list[dict[str, Any]]:
-        key = stream_key(self.run_id, "deadletter")
+        key = stream_key(self.run_id, DEADLETTER)
         entries = self.conn.call(lambda r: r.xrevrange(key, count=RECENT_DEAD_LETTERS))
         out = []
         for entry_id, fields in entries:
@@ -208,7 +208,7 @@ class DashboardData:
     def _trainer_record(self, batch_id: int, budget: _Budget) -> dict[str, Any] | None:
         """The trainer's record of `batch_id` (rlcommon/token_stats.py), read newest first one entry at a time
         (the stream holds `trainer.dashboard_token_batches` at most), or None."""
-        key = stream_key(self.run_id, "tokens")
+        key = stream_key(self.run_id, TOKENS)
         cursor = "+"
         for _ in range(MAX_RECORDS_READ):
             page = self.conn.call(lambda r, hi=cursor: r.xrevrange(key, max=hi, count=1))
@@ -226,7 +226,7 @@ class DashboardData:
 
     def _rollouts(self, batch_id: int, ids: dict[tuple[int, int], str], budget: _Budget) -> dict[tuple[int, int], Rollout]:
         """The rollouts at `ids` (slot -> stream id), fetched by id, while the budget lasts."""
-        key = stream_key(self.run_id, "rollouts")
+        key = stream_key(self.run_id, ROLLOUTS)
         found: dict[tuple[int, int], Rollout] = {}
         wanted = sorted(ids.items())
         for start in range(0, len(wanted), FETCH_CHUNK):

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from coordinator.planner import BatchRecord
 from coordinator.samplers import SamplerRecord
 from coordinator.syncs import SyncRecord
+from rlcommon.streams import coord_key
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,6 @@ T = TypeVar("T")
 SEQ_FIELD = "write_seq"
 
 
-def coord_key(run_id: str, name: str) -> str:
-    """Redis key of the coordinator's `name` for run `run_id`."""
-    return f"dlc:{run_id}:coord:{name}"
 
 
 def _text(value: bytes | str) -> str:

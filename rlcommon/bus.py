@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import socket
 import threading
 import time
@@ -50,6 +49,8 @@ from redis.retry import Retry
 
 from rlcommon import wire
 from rlcommon.config import BusConfig, RedisConfig, WireLimits
+from rlcommon.streams import DATA_FIELD, DEADLETTER, OWNED_GROUPS, ROLLOUTS_GROUP, TASKS_GROUP, stream_key
+from rlcommon.streams import counts_key as _counts_key
 
 __all__ = [
     "OWNED_GROUPS",
@@ -72,15 +73,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DATA_FIELD = b"d"
-TASKS_GROUP = "samplers"
-"""The samplers' consumer group on the tasks stream."""
-ROLLOUTS_GROUP = "trainer"
-"""The trainer's consumer group on the rollouts stream."""
-OWNED_GROUPS: dict[str, str] = {"tasks": TASKS_GROUP, "rollouts": ROLLOUTS_GROUP}
-"""Stream name -> the project's own consumer group on it: the only group a producer's backpressure
-(queue_depth) and trimming wait for. Any other group on the stream is foreign and ignored."""
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ACK_CHUNK = 1000  # ids per XACK
 _SEND_CHUNK = 256  # entries per pipeline
 
@@ -102,18 +94,6 @@ def redacted_url(url: str) -> str:
     if not sep or not at or ":" not in userinfo:
         return url
     return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{hostpart}"
-
-
-def stream_key(run_id: str, name: str) -> str:
-    """Namespaced stream key `dlc:<run_id>:<name>`; names in use: tasks, rollouts, deadletter."""
-    for label, value in (("run_id", run_id), ("stream name", name)):
-        if not isinstance(value, str) or not _NAME_RE.match(value):
-            raise ValueError(f"{label} {value!r} must match {_NAME_RE.pattern} (letters, digits, _ . -)")
-    return f"dlc:{run_id}:{name}"
-
-
-def _counts_key(stream: str) -> str:
-    return f"{stream}:counts"
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -714,7 +694,7 @@ class StreamConsumer:
             limits=limits,
             claim_idle_ms=bus.claim_idle_ms,
             block_ms=bus.block_ms,
-            deadletter_stream=stream_key(bus.run_id, "deadletter"),
+            deadletter_stream=stream_key(bus.run_id, DEADLETTER),
             create_group=create_group,
             read_budget_bytes=read_budget_bytes,
         )

@@ -25,7 +25,7 @@ rules; tests/unit/test_compose.py checks that they agree.
 
 from __future__ import annotations
 
-from rlcommon.bus import _counts_key, stream_key
+from rlcommon.streams import DEADLETTER, ROLLOUTS, TASKS, TOKENS, counts_key, run_keys_pattern, stream_key
 
 __all__ = ["ADMIN_USER", "SERVICE_USERS", "acl_rules", "default_user_rules", "service_users"]
 
@@ -52,7 +52,7 @@ def _stream_keys(run_id: str, *names: str) -> list[str]:
     keys = []
     for name in names:
         stream = stream_key(run_id, name)
-        keys += [f"~{stream}", f"~{_counts_key(stream)}"]
+        keys += [f"~{stream}", f"~{counts_key(stream)}"]
     return keys
 
 
@@ -63,18 +63,18 @@ def _unique(tokens: list[str]) -> list[str]:
 def acl_rules(user: str, run_id: str) -> list[str]:
     """ACL rules of service `user` for run `run_id`, one token each (ACL SETUSER syntax, without `on` and
     the password)."""
-    tasks, rollouts, deadletter = (stream_key(run_id, name) for name in ("tasks", "rollouts", "deadletter"))
+    tasks, rollouts, deadletter = (stream_key(run_id, name) for name in (TASKS, ROLLOUTS, DEADLETTER))
     if user == "sampler":  # consumes tasks (the coordinator creates their group), produces rollouts (backpressure)
-        keys = _stream_keys(run_id, "tasks", "rollouts", "deadletter")
+        keys = _stream_keys(run_id, TASKS, ROLLOUTS, DEADLETTER)
         commands = [*_CONSUMER, *_DEPTH, *_WATCH, f"+xack|{tasks}", f"+xclaim|{tasks}", f"+xadd|{rollouts}",
                     f"+xadd|{deadletter}"]
     elif user == "trainer":  # consumes and trims rollouts; keeps the last batches' per-token statistics (dashboard)
-        tokens = stream_key(run_id, "tokens")
-        keys = [*_stream_keys(run_id, "rollouts", "deadletter"), f"~{tokens}"]
+        tokens = stream_key(run_id, TOKENS)
+        keys = [*_stream_keys(run_id, ROLLOUTS, DEADLETTER), f"~{tokens}"]
         commands = [*_CONSUMER, *_CREATE_GROUP, *_DEPTH, *_WATCH, f"+xack|{rollouts}", f"+xclaim|{rollouts}",
                     f"+xtrim|{rollouts}", f"+xadd|{deadletter}", f"+xadd|{tokens}"]
     elif user == "coordinator":  # its state (coordinator/state.py), produces tasks (and their group), reads depths
-        keys = [f"~dlc:{run_id}:*"]
+        keys = [f"~{run_keys_pattern(run_id)}"]
         commands = [*_DEPTH, *_WATCH, *_CREATE_GROUP, "+ping", "+get", "+set", "+del", "+pexpire", "+pttl", "+hdel",
                     "+hincrby", "+lrange", "+rpush", "+ltrim", "+xrange", f"+xadd|{tasks}", f"+xtrim|{tasks}"]
     else:

@@ -120,3 +120,29 @@ def test_only_the_coordinator_and_its_typed_client_import_protos():
     )
     assert not wrong, "only coordinator/ and " + ", ".join(sorted(PROTO_SPEAKERS)) + " may import protos:\n" + \
         "\n".join(wrong)
+
+
+STREAM_CALLS = {"stream_key", "from_config"}
+"""Calls that take a stream's name: `stream_key(run_id, name)`, `StreamProducer/StreamConsumer.from_config(.., name)`."""
+
+
+def test_nothing_outside_rlcommon_streams_spells_a_stream_name_or_a_key_prefix():
+    """Stream names and keys come from rlcommon/streams.py (TASKS, ROLLOUTS, DEADLETTER, TOKENS, coord_key), so
+    following its imports finds everyone who touches a stream."""
+    wrong = []
+    for module, path in MODULES.items():
+        if module == "rlcommon.streams":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("dlc:"):
+                wrong.append(f"{module}:{node.lineno} spells the key prefix {node.value!r}")
+            if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant) \
+                    and str(node.values[0].value).startswith("dlc:"):
+                wrong.append(f"{module}:{node.lineno} builds a key from the prefix 'dlc:'")
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name in STREAM_CALLS:
+                    wrong += [f"{module}:{node.lineno} {name}(..., {arg.value!r})" for arg in node.args
+                              if isinstance(arg, ast.Constant) and arg.value in ("tasks", "rollouts", "deadletter",
+                                                                                "tokens")]
+    assert not wrong, "use rlcommon.streams' names:\n" + "\n".join(sorted(wrong))
