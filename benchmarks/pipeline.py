@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmarks.cpu_usage import CpuMonitor
 from rlcommon.config import RunConfig
+from rlcommon.step_stats import RESPONSE_LENGTH_MEAN, REWARD_MEAN
 
 TRAINER_STAGES = ("wait", "mark_complete", "train", "report", "publish", "checkpoint", "release", "other")
 SAMPLER_TIMINGS = ("sampler_queue_s", "sampler_generate_s", "sampler_reward_s", "bus_s")
@@ -58,7 +59,7 @@ def steady_figures(rows: list[dict[str, Any]], *, warmup: int, rollouts_per_step
         raise ValueError(f"need more than warmup = {warmup} >= 1 rows, got {len(rows)}")
     steady = rows[warmup:]
     wall = steady[-1]["time"] - rows[warmup - 1]["time"]
-    tokens = sum(r["response_length_mean"] * rollouts_per_step for r in steady)
+    tokens = sum(r[RESPONSE_LENGTH_MEAN] * rollouts_per_step for r in steady)
     stages = {name: mean(r.get(f"stage_{name}_s", 0.0) for r in steady) for name in TRAINER_STAGES}
     sampler = {key: mean(r[key] for r in steady if key in r) for key in SAMPLER_TIMINGS
                if any(key in r for r in steady)}
@@ -69,7 +70,7 @@ def steady_figures(rows: list[dict[str, Any]], *, warmup: int, rollouts_per_step
         "tokens_per_s": tokens / wall,
         "trainer_stages_s": stages,
         "sampler_timings_s": sampler,
-        "reward_last": mean(r["reward_mean"] for r in steady[-5:]),
+        "reward_last": mean(r[REWARD_MEAN] for r in steady[-5:]),
     }
 
 

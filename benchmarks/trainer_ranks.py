@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlcommon.step_stats import ESS_LAG
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10), "OMP_NUM_THREADS": "1"}
 GLOO_ABORT = "terminate called without an active exception"
@@ -100,7 +102,7 @@ def worker(out: str, preset: str, steps: int) -> None:
             start = time.perf_counter()
             result = train_step.train_on(rollouts)
             times.append(time.perf_counter() - start)
-            assert not result.skipped and result.metrics["ess_lag"] < 1.0  # stale: the snapshot's forward ran
+            assert not result.skipped and result.metrics[ESS_LAG] < 1.0  # stale: the snapshot's forward ran
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in train_step.model.parameters())
     mine = {"step_s": statistics.median(times), "rss_before_steps_gb": before / 1e9, "peak_rss_gb": peak.peak / 1e9,
             "local_parameters": local}

@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.trainer_inputs import build_model, make_rollouts
 from rlcommon.config import TrainerConfig
+from rlcommon.step_stats import ESS_LAG
 from rlcommon.tiny_model import PRESETS, preset_tokenizer
 from trainer_svc.step import TrainStep
 
@@ -67,7 +68,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
                 result = train_step.train_on(rollouts)
                 cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
                 assert not result.skipped
-                assert (result.metrics["ess_lag"] == 1.0) == (freshness == "fresh" or index == 0)
+                assert (result.metrics[ESS_LAG] == 1.0) == (freshness == "fresh" or index == 0)
                 if index >= args.warmup:
                     wall[freshness, method].append(wall_s)
                     cpu[freshness, method].append(cpu_s)

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rlcommon.config import SYNC_POLICIES, SyncPolicy
+from rlcommon.step_stats import ESS_LAG, STALENESS_STEPS_MAX
 
 __all__ = [
     "SyncDecision",
@@ -37,8 +38,8 @@ __all__ = [
     "ManualTriggers",
 ]
 
-ESS_KEY = "ess_lag"
-LAG_KEY = "staleness_steps_max"
+ESS_KEY = ESS_LAG
+LAG_KEY = STALENESS_STEPS_MAX
 MAX_REASON_CHARS = 500
 
 

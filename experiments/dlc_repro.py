@@ -37,15 +37,27 @@ from typing import Any
 
 from experiments.settings import ONPOLICY, PRESETS, ExperimentPreset, RunSpec, load_preset, plan_runs
 from rlcommon.config import ConfigError
+from rlcommon.step_stats import (
+    DELTA_LAG_MEAN,
+    DELTA_LAG_STD,
+    DELTA_MEAN,
+    DELTA_NUM_MEAN,
+    DELTA_NUM_STD,
+    ESS_FULL,
+    ESS_LAG,
+    GRAD_NORM,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+)
 
 logger = logging.getLogger("experiments")
 REPO = Path(__file__).resolve().parents[1]
 
 STEP_COLUMNS = (
     "run", "method", "setting", "seed", "ess_threshold", "sync_rule", "step", "sampler_version", "lag_steps",
-    "synced", "kl_to_onpolicy", "noise_threshold", "kl_ratio", "num_references", "ess_lag", "ess_full",
-    "gaussian_ess", "delta_num_mean", "delta_num_std", "delta_lag_mean", "delta_lag_std", "delta_mean",
-    "lambda", "reward_mean", "response_length_mean", "loss", "grad_norm", "skipped", "step_time_s",
+    "synced", "kl_to_onpolicy", "noise_threshold", "kl_ratio", "num_references", ESS_LAG, ESS_FULL,
+    "gaussian_ess", DELTA_NUM_MEAN, DELTA_NUM_STD, DELTA_LAG_MEAN, DELTA_LAG_STD, DELTA_MEAN,
+    "lambda", REWARD_MEAN, RESPONSE_LENGTH_MEAN, "loss", GRAD_NORM, "skipped", "step_time_s",
 )  # fmt: skip
 
 

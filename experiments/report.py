@@ -19,6 +19,7 @@ from typing import Any
 from experiments.ess import first_step_below, gaussian_crossing, gaussian_ess
 from experiments.kl import ReferenceStore
 from experiments.settings import ONPOLICY, SETTINGS
+from rlcommon.step_stats import DELTA_LAG_STD, DELTA_MEAN, ESS_LAG
 
 __all__ = [
     "SUMMARY_COLUMNS",
@@ -103,7 +104,7 @@ def finalize_rows(rows: list[dict[str, Any]], references: ReferenceStore) -> Non
             row["kl_to_onpolicy"] = references.onpolicy_distance(int(row["seed"]), step)
         row["noise_threshold"] = references.noise_threshold(step)
         row["kl_ratio"] = kl_ratios([row["kl_to_onpolicy"]], [row["noise_threshold"]])[0]
-        std = row.get("delta_lag_std")
+        std = row.get(DELTA_LAG_STD)
         row["gaussian_ess"] = gaussian_ess(std * std) if std is not None and math.isfinite(std) else None
 
 
@@ -114,20 +115,20 @@ def summary_row(rows: Sequence[dict[str, Any]], *, final_reward: float, wall_s: 
     crossing = gaussian_crossing(
         steps=steps,
         lags=[int(r["lag_steps"]) for r in rows],
-        lag_stds=[float(r["delta_lag_std"]) for r in rows],
+        lag_stds=[float(r[DELTA_LAG_STD]) for r in rows],
         threshold=ESS_LEVEL,
     )
     out: dict[str, Any] = {
         key: first[key] for key in ("method", "setting", "seed", "ess_threshold", "sync_rule")
     }
     out.update(ratio_summary(steps, [r["kl_ratio"] for r in rows]))
-    out["ess_cross_step"] = first_step_below(steps, [r["ess_lag"] for r in rows], ESS_LEVEL)
+    out["ess_cross_step"] = first_step_below(steps, [r[ESS_LAG] for r in rows], ESS_LEVEL)
     out["gaussian_cross_step"] = crossing.predicted_step
     out["gaussian_direct_cross_step"] = crossing.direct_step
     out["gaussian_fit_exponent"] = crossing.fit.exponent if crossing.fit is not None else None
     out["syncs"] = sum(int(r["synced"]) for r in rows)
     out["final_reward"] = final_reward
-    out["mean_delta"] = statistics.fmean(float(r["delta_mean"]) for r in rows)
+    out["mean_delta"] = statistics.fmean(float(r[DELTA_MEAN]) for r in rows)
     out["final_lambda"] = float(rows[-1]["lambda"])
     out["wall_s"] = wall_s
     return out
@@ -331,7 +332,7 @@ def write_plots(rows: Sequence[dict[str, Any]], *, out_dir: Path, dual_tolerance
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
         ax = axes[0]
         no_sync = [r for r in subset if not (r["method"] == "dlc" and setting == "stale")]
-        curves = _mean_curves(no_sync, "ess_lag")
+        curves = _mean_curves(no_sync, ESS_LAG)
         gauss = _mean_curves(no_sync, "gaussian_ess")
         for label, (steps, mean, _, _) in curves.items():
             (line,) = ax.plot(steps, mean, marker="o", markersize=3, label=f"{label} ess_lag")
@@ -354,7 +355,7 @@ def write_plots(rows: Sequence[dict[str, Any]], *, out_dir: Path, dual_tolerance
             dlc_runs = {name: rs for name, rs in dlc_runs.items() if rs[0]["ess_threshold"] == thresholds[0]}
         for name, run_rows in dlc_runs.items():
             steps = [int(r["step"]) for r in run_rows]
-            (line,) = ax.plot(steps, [r["ess_lag"] for r in run_rows], marker="o", markersize=3, label=name)
+            (line,) = ax.plot(steps, [r[ESS_LAG] for r in run_rows], marker="o", markersize=3, label=name)
             sync_steps = [int(r["step"]) for r in run_rows if int(r["synced"])]
             ax.plot(
                 sync_steps, [1.02] * len(sync_steps), linestyle="none", marker="v", color=line.get_color()
@@ -374,12 +375,12 @@ def write_plots(rows: Sequence[dict[str, Any]], *, out_dir: Path, dual_tolerance
             subset = [r for r in dual if r["setting"] == setting]
             ppo = [r for r in rows if r["method"] == "ppo" and r["setting"] == setting]
             color = None
-            for ax, key in zip(axes, ("lambda", "delta_mean"), strict=True):
+            for ax, key in zip(axes, ("lambda", DELTA_MEAN), strict=True):
                 for _, (steps, mean, low, high) in _mean_curves(subset, key).items():
                     (line,) = ax.plot(steps, mean, marker="o", markersize=3, label=f"dual, {setting}")
                     color = line.get_color()
                     ax.fill_between(steps, low, high, color=color, alpha=0.12)
-            for _, (steps, mean, _, _) in _mean_curves(ppo, "delta_mean").items():
+            for _, (steps, mean, _, _) in _mean_curves(ppo, DELTA_MEAN).items():
                 axes[1].plot(steps, mean, linestyle="--", linewidth=1, color=color, label=f"ppo, {setting}")
         axes[0].set_title("dual: multiplier lambda used at each step (mean over seeds)", fontsize=10)
         axes[1].set_title("mean |p_train - p_inf| per step: dual (solid) vs ppo (dashed)", fontsize=10)
@@ -524,7 +525,7 @@ def claims_markdown(
             and int(r["lag_steps"]) >= 1
             and r.get("gaussian_ess") is not None
         ]
-        below = sum(1 for r in lagged if float(r["ess_lag"]) < float(r["gaussian_ess"]))
+        below = sum(1 for r in lagged if float(r[ESS_LAG]) < float(r["gaussian_ess"]))
         lines.append(
             "3. *The ESS crosses 0.5 earlier than a Gaussian (log-normal ratio) model predicts, because the ratio is "
             f"heavy-tailed.* Stale runs without syncs ({len(measured)} with both steps): measured crossing earlier than "

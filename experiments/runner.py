@@ -34,6 +34,19 @@ from experiments.engines import EnginePool, WeightPublisher
 from experiments.kl import PrefixBatch, ReferenceStore, build_prefix_batch
 from experiments.settings import ONPOLICY, ExperimentPreset, RunSpec
 from rlcommon.rewards import reward
+from rlcommon.step_stats import (
+    DELTA_LAG_MEAN,
+    DELTA_LAG_STD,
+    DELTA_MEAN,
+    DELTA_NUM_MEAN,
+    DELTA_NUM_STD,
+    ESS_FULL,
+    ESS_LAG,
+    GRAD_NORM,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+    STALENESS_STEPS_MAX,
+)
 from rlcommon.tasks import Problem, TaskSource
 from rlcommon.wire import Rollout, Task
 from sampler_svc.engine import SamplerEngine
@@ -45,18 +58,18 @@ __all__ = ["ExperimentContext", "RunRecord", "run_one", "STEP_METRICS"]
 logger = logging.getLogger(__name__)
 
 STEP_METRICS = (
-    "ess_lag",
-    "ess_full",
-    "delta_num_mean",
-    "delta_num_std",
-    "delta_lag_mean",
-    "delta_lag_std",
-    "delta_mean",
+    ESS_LAG,
+    ESS_FULL,
+    DELTA_NUM_MEAN,
+    DELTA_NUM_STD,
+    DELTA_LAG_MEAN,
+    DELTA_LAG_STD,
+    DELTA_MEAN,
     "lambda",
-    "reward_mean",
-    "response_length_mean",
+    REWARD_MEAN,
+    RESPONSE_LENGTH_MEAN,
     "loss",
-    "grad_norm",
+    GRAD_NORM,
     "skipped",
 )
 """TrainStep metrics copied into every per-step row."""
@@ -277,7 +290,7 @@ async def run_one(ctx: ExperimentContext, spec: RunSpec) -> RunRecord:
                 "sync_rule": spec.sync_label,
                 "step": step,
                 "sampler_version": sampler_version,
-                "lag_steps": int(metrics["staleness_steps_max"]),
+                "lag_steps": int(metrics[STALENESS_STEPS_MAX]),
                 "synced": int(synced),
             }
             row.update({key: float(metrics.get(key, float("nan"))) for key in STEP_METRICS})

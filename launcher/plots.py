@@ -7,6 +7,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rlcommon.step_stats import (
+    ESS_FULL,
+    ESS_LAG,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    STALENESS_STEPS_MAX,
+)
+
 MARGINS = {"left": 0.1, "right": 0.97, "bottom": 0.14, "top": 0.9}
 """Fixed margins of every plot (matplotlib's tight_layout drew each figure an extra time: half of the drawing)."""
 
@@ -58,12 +68,12 @@ def plot_run(
         plt.close(fig)
         written.append(path)
 
-    figure("reward", "Mean reward per step", "reward", [("reward_mean", "reward")])
-    figure("ess_lag", "ESS of the lag ratio", "ess", [("ess_lag", "ess_lag"), ("ess_full", "ess_full")], ess_threshold)
+    figure("reward", "Mean reward per step", "reward", [(REWARD_MEAN, "reward")])
+    figure(ESS_LAG, "ESS of the lag ratio", "ess", [(ESS_LAG, ESS_LAG), (ESS_FULL, ESS_FULL)], ess_threshold)
     figure("staleness", "Staleness (trainer version - rollout version)", "versions",
-           [("staleness_mean", "mean (versions)"), ("staleness_max", "max (versions)"),
-            ("staleness_steps_max", "max (trainer steps)")])
-    figure("response_length", "Mean response length", "tokens", [("response_length_mean", "response length")])
+           [(STALENESS_MEAN, "mean (versions)"), (STALENESS_MAX, "max (versions)"),
+            (STALENESS_STEPS_MAX, "max (trainer steps)")])
+    figure("response_length", "Mean response length", "tokens", [(RESPONSE_LENGTH_MEAN, "response length")])
     return written
 
 

@@ -23,6 +23,20 @@ import torch
 from torch import Tensor
 
 from rlcommon.config import METHODS, CorrectionConfig
+from rlcommon.step_stats import (
+    DELTA_LAG_MEAN,
+    DELTA_LAG_STD,
+    DELTA_MEAN,
+    DELTA_NUM_MEAN,
+    DELTA_NUM_STD,
+    ESS_FULL,
+    ESS_LAG,
+    M2PO_KEPT_FRAC,
+    MIS_MASKED_FRAC,
+    NONFINITE_INPUTS,
+    PPO_CLIP_FRAC,
+    RATIO_CLIP_FRAC,
+)
 
 __all__ = [
     "CENTERED_METHODS",
@@ -211,23 +225,23 @@ def policy_loss(
         return float((flags & selected).sum()) / max(num_tokens, 1)
 
     def ppo_surrogate(ratio: Tensor, adv: Tensor) -> Tensor:
-        extra["ppo_clip_frac"] = fraction((ratio.detach() - 1).abs() > eps)
+        extra[PPO_CLIP_FRAC] = fraction((ratio.detach() - 1).abs() > eps)
         return torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
 
     if method == "naive":
         per_token = -advantages * logp
     elif method in ("tis", "vcpo"):
-        extra["ratio_clip_frac"] = fraction(rho_detached > clip)
+        extra[RATIO_CLIP_FRAC] = fraction(rho_detached > clip)
         per_token = -rho_detached.clamp(max=clip) * advantages * logp
     elif method == "mis":
         kept = (rho_detached >= config.mis_low) & (rho_detached <= config.mis_high)
-        extra["mis_masked_frac"] = fraction(~kept)
+        extra[MIS_MASKED_FRAC] = fraction(~kept)
         per_token = -torch.where(kept, rho_detached, zero) * advantages * logp
     elif method == "center":
         per_token = -advantages * (logp - on_mask(centering))
     elif method == "dlc":
         lag_ratio = torch.exp(log_w)
-        extra["ratio_clip_frac"] = fraction(lag_ratio > clip)
+        extra[RATIO_CLIP_FRAC] = fraction(lag_ratio > clip)
         per_token = -lag_ratio.clamp(max=clip) * advantages * (logp - on_mask(centering))
     elif method == "ppo":
         rho = torch.exp(_safe_log_ratio(logp - logp_sampler, bound))
@@ -240,7 +254,7 @@ def policy_loss(
     elif method == "m2po":
         log_rho = _safe_log_ratio(logp - logp_sampler, bound)
         kept = _m2po_keep_mask(log_rho.detach() ** 2, selected, config.m2po_tau)
-        extra["m2po_kept_frac"] = fraction(kept)
+        extra[M2PO_KEPT_FRAC] = fraction(kept)
         per_token = torch.where(kept, -torch.exp(log_rho) * advantages, zero)
     elif method == "dual":
         rho = torch.exp(_safe_log_ratio(logp - logp_sampler, bound))
@@ -255,16 +269,16 @@ def policy_loss(
     delta_num_mean, delta_num_std = _masked_mean_std(torch.nan_to_num(delta_num, **finite), selected, num_tokens)
     delta_lag_mean, delta_lag_std = _masked_mean_std(torch.nan_to_num(delta_lag, **finite), selected, num_tokens)
     metrics = {
-        "ess_lag": float(ess(log_w, selected)),
-        "ess_full": float(ess(log_rho_detached, selected)),
-        "delta_num_mean": delta_num_mean,
-        "delta_num_std": delta_num_std,
-        "delta_lag_mean": delta_lag_mean,
-        "delta_lag_std": delta_lag_std,
-        "delta_mean": float(delta_prob.double().sum()) / max(num_tokens, 1),
+        ESS_LAG: float(ess(log_w, selected)),
+        ESS_FULL: float(ess(log_rho_detached, selected)),
+        DELTA_NUM_MEAN: delta_num_mean,
+        DELTA_NUM_STD: delta_num_std,
+        DELTA_LAG_MEAN: delta_lag_mean,
+        DELTA_LAG_STD: delta_lag_std,
+        DELTA_MEAN: float(delta_prob.double().sum()) / max(num_tokens, 1),
         "lambda": lam,
         "tokens": float(num_tokens),
-        "nonfinite_inputs": float(nonfinite_inputs),
+        NONFINITE_INPUTS: float(nonfinite_inputs),
         **extra,
     }
     return loss, metrics

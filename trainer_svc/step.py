@@ -39,6 +39,21 @@ import torch
 from torch import Tensor, nn
 
 from rlcommon.config import TrainerConfig
+from rlcommon.step_stats import (
+    DELTA_MEAN,
+    ESS_FULL,
+    GRAD_NORM,
+    LAMBDA_NEXT,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+    REWARD_STD,
+    ROLLOUT_VERSION_MAX,
+    ROLLOUT_VERSION_MIN,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    STALENESS_STEPS_MAX,
+    STEP_TIME_S,
+)
 from trainer_svc.batch import TrainBatch, build_batch
 from trainer_svc.corrections import (
     CENTERED_METHODS,
@@ -180,7 +195,7 @@ class TrainStep:
                 skip_reason = f"non-finite gradient norm {grad_norm}"
         if skip_reason is None:
             if self.method == "vcpo":
-                lr = self.config.lr * loss_metrics["ess_full"]
+                lr = self.config.lr * loss_metrics[ESS_FULL]
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
@@ -190,7 +205,7 @@ class TrainStep:
             if self.method == "dual":
                 self.correction_state.lam = dual_update(
                     self.correction_state.lam,
-                    loss_metrics["delta_mean"],
+                    loss_metrics[DELTA_MEAN],
                     self.config.correction.dual_tolerance,
                     self.config.correction.dual_lr,
                 )
@@ -202,15 +217,15 @@ class TrainStep:
             **loss_metrics,
             **self._batch_metrics(batch),
             "loss": float(loss.detach()),
-            "grad_norm": grad_norm,
+            GRAD_NORM: grad_norm,
             "lr": lr if skip_reason is None else 0.0,
-            "lambda_next": float(self.correction_state.lam),
+            LAMBDA_NEXT: float(self.correction_state.lam),
             "skipped": float(skip_reason is not None),
             "step": float(self.step),
             "weight_version": float(self.weight_version),
         }
         self.step += 1
-        metrics["step_time_s"] = time.perf_counter() - start
+        metrics[STEP_TIME_S] = time.perf_counter() - start
         return StepResult(metrics=metrics, skipped=skip_reason is not None, skip_reason=skip_reason,
                           token_logratios=token_logratios)
 
@@ -288,13 +303,13 @@ class TrainStep:
         staleness = [self.weight_version - v for v in versions]
         staleness_steps = [self.step - self.snapshots.published_step(v) for v in set(versions)]
         return {
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std(correction=0)),
-            "response_length_mean": float(batch.response_lengths.float().mean()),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": float(max(staleness)),
-            "staleness_steps_max": float(max(staleness_steps)),
-            "rollout_version_min": float(min(versions)),
-            "rollout_version_max": float(max(versions)),
+            REWARD_MEAN: float(batch.rewards.mean()),
+            REWARD_STD: float(batch.rewards.std(correction=0)),
+            RESPONSE_LENGTH_MEAN: float(batch.response_lengths.float().mean()),
+            STALENESS_MEAN: sum(staleness) / len(staleness),
+            STALENESS_MAX: float(max(staleness)),
+            STALENESS_STEPS_MAX: float(max(staleness_steps)),
+            ROLLOUT_VERSION_MIN: float(min(versions)),
+            ROLLOUT_VERSION_MAX: float(max(versions)),
             "num_rollouts": float(batch.batch_size),
         }

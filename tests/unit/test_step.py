@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlcommon.config import METHODS, CorrectionConfig, TrainerConfig
+from rlcommon.step_stats import STATS
 from tests.unit.trainer_helpers import ForwardCounter, is_tied, make_rollouts, tiny_model
 from trainer_svc.batch import build_batch, group_advantages
 from trainer_svc.parallel import full_value
@@ -103,6 +104,8 @@ def test_every_method_trains_and_reports_the_design_metrics(method, tied):
     result = train_step.train_on(make_rollouts())
     assert not result.skipped and result.skip_reason is None
     assert set(REQUIRED_METRICS) <= set(result.metrics)
+    unnamed = set(result.metrics) - set(STATS)
+    assert not unnamed, f"statistics made without a name in rlcommon/step_stats.py: {sorted(unnamed)}"
     assert all(isinstance(v, float) and math.isfinite(v) for v in result.metrics.values()), result.metrics
     assert result.metrics["skipped"] == 0.0
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
