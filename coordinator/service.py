@@ -39,8 +39,10 @@ from coordinator.stalls import (
 from coordinator.state import CoordinatorStore, StateWrite, TasksStream
 from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide, describe
 from coordinator.syncs import SyncRecord, SyncTracker, WeightUpdateInfo
-from rlcommon.bus import StreamProducer, stream_key
+from rlcommon.bus import StreamProducer
 from rlcommon.config import RunConfig
+from rlcommon.step_stats import ESS_LAG
+from rlcommon.streams import DEADLETTER, ROLLOUTS, TASKS, stream_key
 
 logger = logging.getLogger(__name__)
 
@@ -191,9 +193,9 @@ class Coordinator:
         self._task_source = task_source
         self._encode = encode
         if tasks_producer is None:
-            tasks_producer = StreamProducer.from_config(conn, cfg.bus, "tasks", backpressure=False, create_group=True)
+            tasks_producer = StreamProducer.from_config(conn, cfg.bus, TASKS, backpressure=False, create_group=True)
         if rollouts_producer is None:  # never sends: only its queue depth is read
-            rollouts_producer = StreamProducer.from_config(conn, cfg.bus, "rollouts", backpressure=False)
+            rollouts_producer = StreamProducer.from_config(conn, cfg.bus, ROLLOUTS, backpressure=False)
         self._tasks_producer = tasks_producer
         self._rollouts_producer = rollouts_producer
         self._tasks_stream = TasksStream(tasks_producer)
@@ -950,14 +952,14 @@ class Coordinator:
 
     def _deadletter_length(self) -> int:
         try:
-            return int(self._conn.call(lambda r: r.xlen(stream_key(self.run_id, "deadletter"))))
+            return int(self._conn.call(lambda r: r.xlen(stream_key(self.run_id, DEADLETTER))))
         except Exception as err:
             logger.debug("dead-letter length unavailable: %s", err)
             return -1
 
     def status(self) -> StatusView:
         last = self._last_step
-        ess = last.stats.get("ess_lag") if last is not None else None
+        ess = last.stats.get(ESS_LAG) if last is not None else None
         return StatusView(
             run_id=self.run_id,
             sync_policy=self.ccfg.sync_policy,

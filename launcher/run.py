@@ -21,6 +21,7 @@ from rlcommon.config import ConfigError, RunConfig
 from rlcommon.coordinator_api import Coordinator
 from rlcommon.logs import process_started_monotonic
 from rlcommon.metrics import JsonlFollower, read_jsonl
+from rlcommon.step_stats import ESS_LAG, REWARD_MEAN
 
 logger = logging.getLogger("launcher")
 POLL_S = 0.5
@@ -33,7 +34,7 @@ def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: di
     the launcher's restarts (`{"sampler-0": 1}`: only the services it restarted, `{}` when none)."""
 
     def mean_reward(chunk: list[dict[str, Any]]) -> float | None:
-        values = [r["reward_mean"] for r in chunk if isinstance(r.get("reward_mean"), int | float)]
+        values = [r[REWARD_MEAN] for r in chunk if isinstance(r.get(REWARD_MEAN), int | float)]
         return sum(values) / len(values) if values else None
 
     return {
@@ -80,11 +81,11 @@ def coordinator_snapshot(coordinator: Coordinator) -> dict[str, Any]:
 def dead_letter_count(redis_url: str, run_id: str) -> int:
     import redis
 
-    from rlcommon.bus import stream_key
+    from rlcommon.streams import DEADLETTER, stream_key
 
     client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=10)
     try:
-        return int(client.xlen(stream_key(run_id, "deadletter")))
+        return int(client.xlen(stream_key(run_id, DEADLETTER)))
     finally:
         client.close()
 
@@ -118,7 +119,7 @@ class Progress:
             self.syncs += 1 if row.get("publish") else 0
             fields = {
                 "reward": f"{row.get('reward_mean', float('nan')):.3f}",
-                "ess_lag": f"{row.get('ess_lag', float('nan')):.3f}",
+                ESS_LAG: f"{row.get('ess_lag', float('nan')):.3f}",
                 "version": int(row.get("weight_version", 0)),
                 "syncs": self.syncs,
             }

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import grpc
 
-from rlcommon.bus import TASKS_GROUP, Delivery, RedisConnection, StreamConsumer, StreamProducer
+from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import RunConfig
 from rlcommon.coordinator_api import AsyncCoordinator, WeightUpdate
 from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
+from rlcommon.streams import ROLLOUTS, TASKS, TASKS_GROUP
 from rlcommon.weight_store import WeightsError, resolve_announced_version
 from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, SamplerEngine
@@ -81,11 +82,11 @@ class SamplerService:
         self.limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.conn = RedisConnection.from_config(cfg.redis)
         self.consumer = StreamConsumer.from_config(
-            self.conn, cfg.bus, "tasks", group=TASKS_GROUP, consumer=self.sampler_id, expected=Task, limits=self.limits,
+            self.conn, cfg.bus, TASKS, group=TASKS_GROUP, consumer=self.sampler_id, expected=Task, limits=self.limits,
             create_group=False,  # the coordinator creates it: a sampler may not (rlcommon/redis_acl.py)
         )
         # The trainer trims the rollouts it acked: a sampler may not XTRIM (it could drop unread rollouts).
-        self.producer = StreamProducer.from_config(self.conn, cfg.bus, "rollouts", trim=False)
+        self.producer = StreamProducer.from_config(self.conn, cfg.bus, ROLLOUTS, trim=False)
         self.outbox = Outbox(self.producer, self.consumer)
         self.coordinator = AsyncCoordinator.from_config(cfg.coordinator)
         start_metrics_server(cfg.sampler.metrics_port, cfg.sampler.metrics_host)
