@@ -21,6 +21,7 @@ from rlcommon.config import CoordinatorConfig, RunConfig
 from rlcommon.entrypoint import STOP_WITH_PARENT_ENV
 from rlcommon.gpu_placement import VisibleGpus, visible_gpus
 from rlcommon.rpc import CoordinatorClient
+from rlcommon.trackers import run_name
 
 logger = logging.getLogger("launcher")
 
@@ -129,7 +130,9 @@ def service_specs(
             config_path,
             {**common, **client, "DLC_TRAINER__DEVICE": cfg.trainer.device, "DLC_TRAINER__METRICS_PORT": "0",
              "DLC_TRAINER__METRICS_HOST": "127.0.0.1",
-             "DLC_TRAINER__PARALLEL__DP_SHARD": str(cfg.trainer.parallel.dp_shard)},
+             "DLC_TRAINER__PARALLEL__DP_SHARD": str(cfg.trainer.parallel.dp_shard),
+             "DLC_TRACKING__BACKENDS": ",".join(cfg.tracking.backends) or "none",
+             "DLC_TRACKING__RUN_NAME": run_name(cfg)},
         )
     )
     redis_user = {"coordinator": "coordinator", "sampler_svc": "sampler", "trainer_svc": "trainer"}

@@ -40,7 +40,8 @@ def _prom_name(service: str, key: str) -> str:
 
 
 class MetricsSink:
-    """Writes per-step metrics to `<dir>/metrics.jsonl`, TensorBoard (optional) and Prometheus gauges."""
+    """Writes per-step metrics to `<dir>/metrics.jsonl`, TensorBoard (optional), Prometheus gauges (unless
+    `step_gauges` is off) and `trackers` (rlcommon/trackers.py: W&B, trackio), every one with the same keys."""
 
     def __init__(
         self,
@@ -48,8 +49,13 @@ class MetricsSink:
         service: str,
         jsonl_path: str | Path | None = None,
         tensorboard_dir: str | Path | None = None,
+        trackers: list[Any] | None = None,
+        step_gauges: bool = True,
     ) -> None:
         self.service = service
+        self._trackers = list(trackers or [])
+        self._step_gauges = step_gauges
+        self._tracker_failed: set[int] = set()
         self._gauges: dict[str, Any] = {}
         """name -> its Prometheus gauge (looked up once: a trainer row sets ~50 each step)."""
         self._jsonl = None
@@ -95,15 +101,30 @@ class MetricsSink:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 continue
             scalars.append((key, float(value)))
-            self.gauge(key, float(value))
+            if self._step_gauges:
+                self.gauge(key, float(value))
         if self._tb is not None and scalars:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
             summary = Summary(value=[Summary.Value(tag=f"{self.service}/{key}", simple_value=value)
                                      for key, value in scalars])
             self._tb.file_writer.add_summary(summary, step)
+        for index, tracker in enumerate(self._trackers):
+            try:
+                tracker.log(step, dict(scalars))
+            except Exception as err:  # a tracker's outage must not stop training; metrics.jsonl has the row
+                if index not in self._tracker_failed:
+                    self._tracker_failed.add(index)
+                    logger.warning("%s failed to log step %d (logged once; metrics.jsonl keeps every row): %s",
+                                   type(tracker).__name__, step, err)
 
     def close(self) -> None:
+        for tracker in self._trackers:
+            try:
+                tracker.close()
+            except Exception as err:
+                logger.warning("%s did not close cleanly: %s", type(tracker).__name__, err)
+        self._trackers = []
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -29,23 +29,18 @@ from pathlib import Path
 import grpc
 import torch
 
-from rlcommon.bus import (
-    DATA_FIELD,
-    ROLLOUTS_GROUP,
-    Delivery,
-    RedisConnection,
-    StreamConsumer,
-    StreamProducer,
-    stream_key,
-)
+from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import RunConfig
 from rlcommon.coordinator_api import Coordinator, SamplerVersion, Status, StepAnswer
 from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.plan_ids import slot_rollout_id
+from rlcommon.step_stats import ESS_LAG, REWARD_MEAN
+from rlcommon.streams import DATA_FIELD, ROLLOUTS, ROLLOUTS_GROUP, TOKENS, stream_key
 from rlcommon.token_stats import encode_token_stats
 from rlcommon.tokenizer import load_tokenizer
+from rlcommon.trackers import open_trackers
 from rlcommon.weight_store import (
     PublishedVersion,
     WeightsError,
@@ -188,11 +183,11 @@ class TrainerService:
         self.conn = RedisConnection.from_config(cfg.redis)
         limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.consumer = StreamConsumer.from_config(
-            self.conn, cfg.bus, "rollouts", group=ROLLOUTS_GROUP, consumer=f"trainer-{socket.gethostname()}",
+            self.conn, cfg.bus, ROLLOUTS, group=ROLLOUTS_GROUP, consumer=f"trainer-{socket.gethostname()}",
             expected=Rollout, limits=limits, read_budget_bytes=cfg.trainer.read_budget_bytes,
         )
         # Trims the rollouts it acked past bus.max_stream_len (samplers may not XTRIM: rlcommon/redis_acl.py).
-        self.rollouts = StreamProducer.from_config(self.conn, cfg.bus, "rollouts", backpressure=False)
+        self.rollouts = StreamProducer.from_config(self.conn, cfg.bus, ROLLOUTS, backpressure=False)
         self.coordinator = Coordinator.from_config(cfg.coordinator)
         self.refresh_status()
         start_metrics_server(cfg.trainer.metrics_port, cfg.trainer.metrics_host)
@@ -201,7 +196,12 @@ class TrainerService:
         if dropped:
             logger.info("metrics.jsonl: dropped %d rows of steps >= %d (trained again from the checkpoint)",
                         dropped, self.train_step.step)
-        self.metrics = MetricsSink(service="trainer", jsonl_path=metrics_path, tensorboard_dir=self.run_dir / "tensorboard")
+        backends = cfg.tracking.backends
+        self.metrics = MetricsSink(
+            service="trainer", jsonl_path=metrics_path,
+            tensorboard_dir=self.run_dir / "tensorboard" if "tensorboard" in backends else None,
+            trackers=open_trackers(cfg), step_gauges="prometheus" in backends,
+        )
         self.started = True
         timeline(logger, "trainer ready: waiting for the first batch")
         self.stages.take()  # the first row's stages start here, not at construction
@@ -401,7 +401,7 @@ class TrainerService:
                               entry_ids=[buffer.slot_entry_ids[slot] for slot in slots])
         logger.info(
             "step %d batch %d reward %.3f ess_lag %.3f version %d%s",
-            step, batch_id, result.metrics.get("reward_mean", float("nan")), result.metrics.get("ess_lag", float("nan")),
+            step, batch_id, result.metrics.get(REWARD_MEAN, float("nan")), result.metrics.get(ESS_LAG, float("nan")),
             self.train_step.weight_version, f" -> published v{synced} ({reply.reason})" if synced is not None else "",
         )
         if self.train_step.step % self.cfg.trainer.checkpoint_every == 0 or self.train_step.step >= self.cfg.steps:
@@ -422,7 +422,7 @@ class TrainerService:
             lag, num = (result.token_logratios[k].float().cpu().numpy() for k in ("lag", "num"))
         data = encode_token_stats(batch_id=batch_id, step=step, slots=slots, lag=lag, num=num,
                                   lengths=[len(r.response_ids) for r in rollouts], entry_ids=entry_ids)
-        key = stream_key(self.cfg.bus.run_id, "tokens")
+        key = stream_key(self.cfg.bus.run_id, TOKENS)
         try:
             self.conn.call(lambda r: r.xadd(key, {DATA_FIELD: data}, maxlen=keep, approximate=False))
         except Exception as err:
