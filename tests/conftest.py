@@ -50,3 +50,24 @@ def cpu_hog(request: pytest.FixtureRequest):
     for hog in hogs:
         hog.kill()
         hog.wait()
+
+
+# ------------------------------------------------------------------------------------------ the slow marker
+
+SLOW_S = 30.0
+"""A test's call above this many seconds should carry the `slow` marker (set at ~20 s; the margin keeps a loaded
+machine from flagging a test that is fast on a quiet one)."""
+_UNMARKED_SLOW: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.duration > SLOW_S and "slow" not in report.keywords:
+        _UNMARKED_SLOW.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Name the tests that took long without the `slow` marker (`make test-fast` would run them)."""
+    if _UNMARKED_SLOW:
+        terminalreporter.section(f"tests slower than {SLOW_S:.0f} s without the slow marker")
+        for nodeid, seconds in sorted(_UNMARKED_SLOW, key=lambda item: -item[1]):
+            terminalreporter.line(f"{seconds:7.1f} s  {nodeid}")

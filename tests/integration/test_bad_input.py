@@ -42,7 +42,7 @@ TOKEN = "s3cret-token"
 MAX_MESSAGE_BYTES = 65_536
 TIMEOUT_S = 300.0
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 
 
 def make_rollout(**changes: Any) -> wire.Rollout:

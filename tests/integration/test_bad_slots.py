@@ -41,7 +41,7 @@ VOCAB_SIZE = 64  # the tiny model's config.json vocab_size
 FOREIGN_GROUP = "monitor"
 FORGED_BATCH = 0
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 
 
 def forge(real: wire.Rollout, group_id: int, sample_index: int) -> tuple[wire.Rollout, str]:

@@ -16,7 +16,7 @@ from tests.integration.stacks import scrape, stack_config
 
 STEPS = 8
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 
 
 def dlcctl(stack, *args: str) -> dict:

@@ -59,7 +59,7 @@ ACK_TIMEOUT_S = 2.0
 PHASE_TIMEOUT_S = 240.0
 SILENT_SAMPLER = "silent-sampler"
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 on_the_stack = pytest.mark.vllm  # the tests of the fault run (two vLLM samplers)
 
 

@@ -155,6 +155,7 @@ STAND_IN_SERVICE = """
 for the channel to be ready, 30 s, then is sent again for 5 minutes)."""
 
 
+@pytest.mark.slow
 def test_a_stopping_service_does_not_wait_on_redis_or_the_coordinator(tmp_path):
     """A service blocked in a Redis read on a paused redis-server (socket timeout 30 s), reconnecting to a dead
     one (for 60 s), or calling a coordinator that is away exits 0 within a few seconds of SIGTERM."""
@@ -200,6 +201,7 @@ REDIS_KILL_STEPS = 30
 REDIS_KILLS = 3
 
 
+@pytest.mark.slow
 @on_the_stack
 @pytest.mark.parametrize("appendfsync", ["always", "everysec"])
 def test_make_run_restarts_a_killed_redis_server(tmp_path, capsys, appendfsync):
@@ -271,6 +273,7 @@ def descendants(launcher: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 @on_the_stack
 def test_children_die_with_a_killed_launcher_and_a_stop_never_waits_on_redis(tmp_path, capsys):
     run_dir, out_path = tmp_path / "run", tmp_path / "launcher.out"

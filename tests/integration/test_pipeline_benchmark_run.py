@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
+@pytest.mark.slow
 def test_the_pipeline_benchmark_run_twice_measures_two_fresh_runs(tmp_path):
     results = []
     for _ in range(2):

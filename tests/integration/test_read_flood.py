@@ -56,6 +56,7 @@ def scrape_gauges(log_path: Path) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^dlc_coordinator_(\w+) ([-+.\deE]+)$", page, re.M)}
 
 
+@pytest.mark.slow
 def test_a_read_flood_neither_starves_heartbeats_nor_the_run(tmp_path):
     cfg = stack_config(tmp_path / "run", steps=STEPS, run_id="flood", overrides=[
         f"--coordinator.auth_token={WRITE_TOKEN}",

@@ -32,7 +32,7 @@ from rlcommon.wire import Rollout, Task, WireError, decode, encode
 from sampler_svc.rollouts import generate_rollouts
 from tests.integration.conftest import REPO_ROOT, EngineRunner
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 
 PRESET = "qwen3-0.6b-L2"
 HUB_NAME = "Qwen/Qwen3-0.6B"

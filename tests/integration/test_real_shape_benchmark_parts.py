@@ -14,6 +14,7 @@ from tests.unit.test_real_shape_benchmark import TINY, check_trainer_and_fits, r
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_part_prints_its_figures(tmp_path: Path) -> None:
     report = run_benchmark(*TINY, "--configs", "float32:ckpt", "--out", str(tmp_path / "out"), "--work-dir",

@@ -109,6 +109,7 @@ def ledger_of(stub) -> dict[int, tuple[int, int]]:
     return {b.batch_id: (b.status, b.trained_step) for b in batches}
 
 
+@pytest.mark.slow
 def test_each_state_changing_rpc_rides_out_an_outage(redis):
     served = serve(make_config(), redis.url)
     stub = served.stub

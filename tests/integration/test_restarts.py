@@ -61,6 +61,7 @@ def check_trained_once_in_order(run_dir: Path, steps: int) -> dict[str, Any]:
 CRASH_STEPS = 16
 
 
+@pytest.mark.slow
 def test_launcher_restarts_a_killed_sampler_and_trainer(tmp_path, capsys):
     cfg = stack_config(tmp_path, steps=CRASH_STEPS, run_id="restarts", overrides=SMALL_RUN)
     kills: dict[str, int] = {}
@@ -127,6 +128,7 @@ def live(processes: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+@pytest.mark.slow
 def test_a_run_stopped_with_ctrl_c_resumes_with_the_same_run_dir(tmp_path):
     run_dir, out_path = tmp_path / "run", tmp_path / "launcher.out"
     launcher = start_launcher(run_dir, out_path)

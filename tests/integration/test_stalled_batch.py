@@ -30,7 +30,7 @@ STALL_S = 4.0
 LOST_BATCH, LOST_GROUP, LOST_SAMPLE = 1, 1, 1
 LOST_ID = f"b{LOST_BATCH}-g{LOST_GROUP}:{LOST_SAMPLE}"
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 
 
 class StallDriver(FaultDriver):

@@ -20,6 +20,7 @@ STEPS = 14
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
+@pytest.mark.slow
 def test_two_rank_trainer_trains_publishes_and_resumes(tmp_path, capsys):
     cfg = stack_config(tmp_path, steps=STEPS, run_id="ranks", overrides=[*SMALL_RUN, "--trainer.parallel.dp_shard=2"])
     killed: dict[str, int] = {}

@@ -52,7 +52,7 @@ SNAPSHOT_BOUND = 8
 samplers' planned batches hold)."""
 STALE_TMP = ".tmp-v000999-killed"
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 
 
 class SamplerView:

@@ -255,6 +255,7 @@ def test_one_write_in_flight_the_next_start_waits_for_it(tmp_path, monkeypatch):
     assert list_checkpoints(tmp_path) == [second["path"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hold_at", ["fsync", "rename"])
 def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_path, hold_at):
     """kill -9 of a real process (tied embeddings) while its writer thread is inside the write (DCP's tensor file

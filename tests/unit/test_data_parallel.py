@@ -18,6 +18,8 @@ from benchmarks.trainer_ranks import GLOO_ABORT, aborted_in_cpp
 from rlcommon.config import METHODS
 from tests.unit.test_step import F32_GRAD_RTOL
 
+pytestmark = pytest.mark.slow  # its module fixture starts two ranks first
+
 REPO = Path(__file__).resolve().parents[2]
 
 

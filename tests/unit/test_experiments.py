@@ -531,6 +531,7 @@ def test_perturb_state_dict_is_relative_and_deterministic():
 # ------------------------------------------------------------------------------------------ smoke run
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.vllm
 def test_micro_preset_runs_end_to_end(tmp_path):

@@ -95,6 +95,7 @@ def native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # a guard against a hang, not a speed test: a busy machine is slow
 def test_trainer_part_prints_every_figure(tmp_path: Path) -> None:
     """Without and with gradient checkpointing (the two the fits table uses), each in its own process: in bf16

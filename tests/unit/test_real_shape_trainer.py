@@ -83,6 +83,7 @@ def assert_finite_step(result) -> None:
         assert math.isfinite(result.metrics[key]), (key, result.metrics[key])
 
 
+@pytest.mark.slow
 def test_dlc_run_with_stale_rollouts_on_a_tied_real_shape_model(tmp_path, initial_model, v0_batches):
     """Four DLC steps as an asynchronous run makes them: batch 0 fresh, batch 1 of version 0 after the trainer
     moved on, version 1 published, batch 2 mixing a version-0 and a version-1 group (then a checkpoint holding
@@ -163,6 +164,7 @@ def test_dlc_run_with_stale_rollouts_on_a_tied_real_shape_model(tmp_path, initia
     assert is_tied(resumed.model)
 
 
+@pytest.mark.slow
 def test_bf16_trainer_on_the_real_shape(initial_model, v0_batches):
     """`trainer.dtype = "bfloat16"` against the float32 sampler, on the same fresh batch as a float32 trainer.
 

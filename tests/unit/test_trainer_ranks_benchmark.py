@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_ranks_benchmark_reports_each_rank():
     cmd = [sys.executable, "-m", "benchmarks.trainer_ranks", "--json", "--preset", "tiny", "--steps", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
