@@ -38,8 +38,6 @@ __all__ = [
     "ManualTriggers",
 ]
 
-ESS_KEY = ESS_LAG
-LAG_KEY = STALENESS_STEPS_MAX
 MAX_REASON_CHARS = 500
 
 
@@ -133,23 +131,23 @@ def describe(
 
 def check_ess_lag(stats: Mapping[str, float]) -> float:
     """The report's `ess_lag`, checked to be a finite number in [0, 1] (a rounding margin is allowed)."""
-    if ESS_KEY not in stats:
-        raise PolicyInputError(f"stats.{ESS_KEY}", "missing; sync_policy 'ess' needs it in every step report")
-    ess_lag = float(stats[ESS_KEY])
+    if ESS_LAG not in stats:
+        raise PolicyInputError(f"stats.{ESS_LAG}", "missing; sync_policy 'ess' needs it in every step report")
+    ess_lag = float(stats[ESS_LAG])
     if not math.isfinite(ess_lag) or ess_lag < 0.0 or ess_lag > 1.0 + 1e-6:
-        raise PolicyInputError(f"stats.{ESS_KEY}", f"must be a finite number in [0, 1], got {ess_lag!r}")
+        raise PolicyInputError(f"stats.{ESS_LAG}", f"must be a finite number in [0, 1], got {ess_lag!r}")
     return min(ess_lag, 1.0)
 
 
 def check_lag_steps(stats: Mapping[str, float]) -> float:
     """The report's `staleness_steps_max` (trainer steps since the oldest rollout's weights), checked >= 0."""
-    if LAG_KEY not in stats:
+    if STALENESS_STEPS_MAX not in stats:
         raise PolicyInputError(
-            f"stats.{LAG_KEY}", "missing; coordinator.max_lag_steps needs it in every step report"
+            f"stats.{STALENESS_STEPS_MAX}", "missing; coordinator.max_lag_steps needs it in every step report"
         )
-    lag_steps = float(stats[LAG_KEY])
+    lag_steps = float(stats[STALENESS_STEPS_MAX])
     if not math.isfinite(lag_steps) or lag_steps < 0.0:
-        raise PolicyInputError(f"stats.{LAG_KEY}", f"must be a finite number >= 0, got {lag_steps!r}")
+        raise PolicyInputError(f"stats.{STALENESS_STEPS_MAX}", f"must be a finite number >= 0, got {lag_steps!r}")
     return lag_steps
 
 

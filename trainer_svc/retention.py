@@ -20,9 +20,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 
-from rlcommon.coordinator_api import HEALTHY, LOST, UNHEALTHY  # the health names the coordinator answers with
+from rlcommon.coordinator_api import HEALTHY, LOST, UNHEALTHY, SamplerVersion  # as the coordinator answers
 
 __all__ = ["HEALTHY", "LOST", "UNHEALTHY", "SamplerPins", "SamplerState", "lag_refusal", "versions_to_delete"]
 
@@ -55,14 +54,8 @@ def versions_to_delete(
     ]
 
 
-@dataclass(frozen=True)
-class SamplerState:
-    """One sampler as the coordinator reports it (GetStatus): the version it serves and its health."""
-
-    sampler_id: str
-    weight_version: int
-    health: str
-    """HEALTHY, UNHEALTHY or LOST."""
+SamplerState = SamplerVersion
+"""One sampler as the coordinator reports it: the version it serves and its health (HEALTHY, UNHEALTHY or LOST)."""
 
 
 class SamplerPins:

@@ -31,7 +31,7 @@ import torch
 
 from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import RunConfig
-from rlcommon.coordinator_api import Coordinator, SamplerVersion, Status, StepAnswer
+from rlcommon.coordinator_api import Coordinator, Status, StepAnswer
 from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
@@ -58,7 +58,6 @@ from trainer_svc.parallel import DataParallel
 from trainer_svc.ranks import Ranks
 from trainer_svc.retention import (
     SamplerPins,
-    SamplerState,
     lag_refusal,
     versions_to_delete,
 )
@@ -460,7 +459,7 @@ class TrainerService:
         the active sync's version, versions ahead of the trainer (a replay reuses them), the newest
         `trainer.keep_versions.latest` and the multiples of `keep_versions.every`."""
         status = self.refresh_status()
-        serving = self.sampler_pins.serving_versions(sampler_states(status.samplers))
+        serving = self.sampler_pins.serving_versions(status.samplers)
         pinned = set(self.train_step.snapshots.versions)
         if status.sync_in_progress is not None:
             pinned.add(status.sync_in_progress)
@@ -538,7 +537,7 @@ class TrainerService:
         """
         if len(self.train_step.snapshots.versions) <= 1:
             return
-        serving = self.sampler_pins.serving_versions(sampler_states(answer.samplers))
+        serving = self.sampler_pins.serving_versions(answer.samplers)
         floor = min(serving, default=self.train_step.weight_version)
         last_planned = answer.batches.total - 1
         for version in self.train_step.snapshots.versions:
@@ -586,10 +585,6 @@ class TrainerService:
         os.replace(tmp, path)
 
 
-
-def sampler_states(samplers: tuple[SamplerVersion, ...]) -> list[SamplerState]:
-    """The coordinator's samplers as the retention rules take them."""
-    return [SamplerState(s.sampler_id, s.weight_version, s.health) for s in samplers]
 
 
 def truncate_metrics(path: Path, *, before_step: int) -> int:
