@@ -395,7 +395,6 @@ class BatchPlanner:
             prompt_ids=prompt_ids,
             group_size=record.group_size,
             payload=dict(group.payload),
-            weight_version_hint=record.weight_version_hint,
             **extra,
         )
 

@@ -103,7 +103,6 @@ class Task:
     prompt_ids: np.ndarray
     group_size: int
     payload: dict[str, str | int | float]
-    weight_version_hint: int = 0
     sample_indices: tuple[int, ...] = ()
     """The samples to generate, ascending; empty = all G. A re-issued task (the coordinator re-issues the
     slots of a stalled batch) names only the slots that are missing."""
@@ -149,7 +148,6 @@ _FIELDS: dict[type, dict[str, tuple[str, int]]] = {
         "prompt_ids": ("<i4", 1),
         "group_size": ("uint", 0),
         "payload": ("payload", 0),
-        "weight_version_hint": ("uint", 0),
         "sample_indices": ("uints", 0),
     },
     Rollout: {

@@ -84,7 +84,6 @@ def tasks(draw) -> Task:
         prompt_ids=np.array(draw(st.lists(st.integers(0, 999), min_size=1, max_size=8)), np.int32),
         group_size=group_size,
         payload=draw(st.dictionaries(ids_text, payload_values, max_size=4)),
-        weight_version_hint=draw(uints),
         sample_indices=tuple(sorted(draw(st.sets(st.integers(0, group_size - 1), max_size=4)))),
     )
 
