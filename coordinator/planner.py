@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlcommon.plan_ids import task_id_of
+from rlcommon.plan_ids import plan_horizon, task_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -303,10 +303,7 @@ class BatchPlanner:
 
     def horizon(self) -> int:
         """Number of batches that may be planned now: trained prefix + max_inflight_batches, capped."""
-        horizon = self.ledger.num_trained_contiguous + self.max_inflight_batches
-        if self.total_batches is not None:
-            horizon = min(horizon, self.total_batches)
-        return horizon
+        return plan_horizon(self.ledger.num_trained_contiguous, self.max_inflight_batches, self.total_batches)
 
     def plan_groups(self, batch_id: int) -> list[tuple[GroupPlan, np.ndarray]]:
         """The prompt groups of `batch_id` with their token ids; a pure function of the settings and k."""

@@ -1,4 +1,4 @@
-"""Names of the slots of a batch plan, spoken by all three services.
+"""Names of the slots of a batch plan, and how far ahead it reaches, spoken by all three services.
 
 Group g of batch k is the Task `b{k}-g{g}` (the coordinator writes it, the sampler seeds from it); sample i
 of that task is the rollout `b{k}-g{g}:{i}` (the sampler names it, the trainer keeps one rollout per name).
@@ -8,7 +8,7 @@ produce a second rollout for the same slot. Ids are stable across restarts: they
 
 from __future__ import annotations
 
-__all__ = ["rollout_id", "slot_rollout_id", "task_id_of"]
+__all__ = ["plan_horizon", "rollout_id", "slot_rollout_id", "task_id_of"]
 
 
 def task_id_of(batch_id: int, group_id: int) -> str:
@@ -24,3 +24,11 @@ def rollout_id(task_id: str, sample_index: int) -> str:
 def slot_rollout_id(batch_id: int, group_id: int, sample_index: int) -> str:
     """The id a rollout of slot (batch, group, sample) must carry."""
     return rollout_id(task_id_of(batch_id, group_id), sample_index)
+
+
+def plan_horizon(num_trained: int, max_inflight_batches: int, total_batches: int | None = None) -> int:
+    """How many batches are planned once the first `num_trained` are trained: the trained prefix plus
+    `coordinator.max_inflight_batches`, capped at the run's total. The coordinator plans up to it; the
+    trainer refuses a rollout past it (unless the coordinator says it planned further, as when it replays)."""
+    horizon = num_trained + max_inflight_batches
+    return horizon if total_batches is None else min(horizon, total_batches)

@@ -35,7 +35,7 @@ from rlcommon.coordinator_api import Coordinator, Status, StepAnswer
 from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
-from rlcommon.plan_ids import slot_rollout_id
+from rlcommon.plan_ids import plan_horizon, slot_rollout_id
 from rlcommon.step_stats import ESS_LAG, REWARD_MEAN
 from rlcommon.streams import DATA_FIELD, ROLLOUTS, ROLLOUTS_GROUP, TOKENS, stream_key
 from rlcommon.token_stats import encode_token_stats
@@ -285,7 +285,7 @@ class TrainerService:
     def accept(self, deliveries: list[Delivery]) -> None:
         """Buffer valid rollouts of planned batches (one per slot); drop duplicates; dead-letter what cannot
         be trained. Every entry is acked once a checkpoint covers it, duplicates included."""
-        horizon = max(self.next_batch_id + self.cfg.coordinator.max_inflight_batches + 1, self.planned_batches)
+        horizon = self.accept_horizon()
         rejects: dict[str, list[Delivery]] = defaultdict(list)
         received_at = time.time()
         for delivery in deliveries:
@@ -316,6 +316,11 @@ class TrainerService:
             self.rejected_rollouts += len(items)
             logger.warning("dead-lettering %d rollouts: %s", len(items), reason)
             self.consumer.reject(items, reason=reason)
+
+    def accept_horizon(self) -> int:
+        """Batches below it may hold rollouts: what the coordinator plans for this trainer's trained prefix
+        (`plan_horizon`), or further when it said it planned further (it replays after a restart)."""
+        return max(plan_horizon(self.next_batch_id, self.cfg.coordinator.max_inflight_batches), self.planned_batches)
 
     def rollout_problem(self, rollout: Rollout, *, horizon: int) -> str | None:
         """Why a decoded rollout cannot be trained, or None."""

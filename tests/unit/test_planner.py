@@ -362,3 +362,22 @@ def test_interrupted_write_recovered_against_the_real_stream(redis_url):
     assert task_ids == [f"b0-g{g}" for g in range(B)]
     conn.close()
     conn2.close()
+
+
+def test_the_trainer_accepts_rollouts_of_exactly_the_batches_the_planner_plans():
+    """The horizon is said once (`plan_horizon`): after k trained batches the trainer's accept bound is the
+    planner's horizon, so it refuses no planned batch and accepts none the planner has not planned."""
+    from rlcommon.config import RunConfig, load_config
+    from trainer_svc.service import TrainerService
+
+    planner, _ = make_planner(writer=ListWriter(), max_inflight=3)
+    cfg = load_config(RunConfig, [], ["--coordinator.max_inflight_batches=3"])
+    service = TrainerService(cfg)
+    for k in range(5):
+        planner.plan_ahead()
+        service.next_batch_id = k
+        assert service.accept_horizon() == planner.horizon() == len(planner.ledger) == k + 3
+        planner.ledger.mark_complete(k, now=float(k))
+        planner.ledger.mark_trained(k, step=k + 1, now=float(k))
+    service.planned_batches = 20  # the coordinator said it planned further (a replay after a restart)
+    assert service.accept_horizon() == 20
