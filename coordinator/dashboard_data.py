@@ -24,6 +24,7 @@ from typing import Any
 
 from coordinator.service import InvalidArgument
 from coordinator.state import CoordinatorStore
+from rlcommon import step_stats
 from rlcommon.streams import DATA_FIELD, DEADLETTER, ROLLOUTS, TOKENS, stream_key
 from rlcommon.token_stats import decode_token_stats
 from rlcommon.wire import Rollout, WireError, decode
@@ -39,6 +40,29 @@ FETCH_CHUNK = 32
 """Rollout ids asked for per pipelined round trip."""
 MAX_RECORDS_READ = 1000
 """The trainer's records read while looking for one batch's, at most (it keeps trainer.dashboard_token_batches)."""
+
+
+def _series(name: str, **derived: str) -> dict[str, str]:
+    """One chart series: a step statistic (its meaning and unit from rlcommon.step_stats) or a series the page
+    derives (`derived`: `rate` of the statistic `of` per second of report time; `ess_threshold`)."""
+    stat = step_stats.STATS.get(name)
+    return {"name": name, "meaning": stat.meaning if stat else "", "unit": stat.unit if stat else "", **derived}
+
+
+CHARTS: dict[str, list[dict[str, str]]] = {
+    "chart-reward": [_series(step_stats.REWARD_MEAN)],
+    "chart-ess": [_series(step_stats.ESS_FULL), _series(step_stats.ESS_LAG),  # ess_lag drawn on top
+                  _series("threshold", derived="ess_threshold")],
+    "chart-delta": [_series(step_stats.DELTA_NUM_MEAN), _series(step_stats.DELTA_LAG_MEAN),
+                    _series(step_stats.DELTA_MEAN)],
+    "chart-staleness": [_series(step_stats.STALENESS_MEAN), _series(step_stats.STALENESS_MAX)],
+    "chart-step-time": [_series(step_stats.STEP_TIME_S)],
+    "chart-tokens": [_series("tokens_per_s", derived="rate", of=step_stats.TOKENS)],
+}
+"""The dashboard's charts (element id -> series, in drawing order): the page reads the statistics' names from
+here (`overview.charts`), so the script spells none."""
+HEADLINE = {"reward": step_stats.REWARD_MEAN, "lag": step_stats.ESS_LAG}
+"""The statistics of the last step the headline shows."""
 
 
 def finite(value: Any) -> Any:
@@ -121,6 +145,8 @@ class DashboardData:
             "syncs": [self._sync(s) for s in syncs],
             "deadletters": {"length": status.deadletter_length, "recent": self.dead_letters()},
             "steps": {"from": first, "rows": rows},
+            "charts": CHARTS,
+            "headline": HEADLINE,
         })
 
     @staticmethod

@@ -49,24 +49,25 @@ function fmt(value, digits = 3) {
 
 // ---------------------------------------------------------------------------------------------- charts
 
-// Each chart: series names (keys of a step row, or a function of the rows) and colours.
-const CHARTS = {
-  "chart-reward": [["reward_mean", "#2563eb"]],
-  "chart-ess": [["ess_full", "#7c3aed"], ["ess_lag", "#dc2626"], ["threshold", "#999"]],  // ess_lag drawn on top
-  "chart-delta": [["delta_num_mean", "#0891b2"], ["delta_lag_mean", "#ea580c"], ["delta_mean", "#65a30d"]],
-  "chart-staleness": [["staleness_mean", "#2563eb"], ["staleness_max", "#dc2626"]],
-  "chart-step-time": [["step_time_s", "#0f766e"]],
-  "chart-tokens": [["tokens_per_s", "#9333ea"]],
+// Each chart's series come from the API (`overview.charts`: the statistics' names, meanings and units, from
+// rlcommon/step_stats.py via coordinator/dashboard_data.py); the page holds only their colours, in order.
+const COLOURS = {
+  "chart-reward": ["#2563eb"],
+  "chart-ess": ["#7c3aed", "#dc2626", "#999"],
+  "chart-delta": ["#0891b2", "#ea580c", "#65a30d"],
+  "chart-staleness": ["#2563eb", "#dc2626"],
+  "chart-step-time": ["#0f766e"],
+  "chart-tokens": ["#9333ea"],
 };
 
-function seriesValue(name, row, index) {
-  if (name === "threshold") return state.essThreshold;
-  if (name === "tokens_per_s") {
+function seriesValue(series, row, index) {
+  if (series.derived === "ess_threshold") return state.essThreshold;
+  if (series.derived === "rate") {
     const before = state.rows[index - 1];
-    if (!before || row.tokens === undefined || !(row.time > before.time)) return null;
-    return row.tokens / (row.time - before.time);
+    if (!before || row[series.of] === undefined || !(row.time > before.time)) return null;
+    return row[series.of] / (row.time - before.time);
   }
-  const value = row[name];
+  const value = row[series.name];
   return value === undefined || value === null || Number.isNaN(value) ? null : value;
 }
 
@@ -93,14 +94,14 @@ function syncMarkers() {
   };
 }
 
-function chartData(names) {
+function chartData(series) {
   const steps = state.rows.map((r) => r.step);
-  return [steps, ...names.map(([name]) => state.rows.map((row, i) => seriesValue(name, row, i)))];
+  return [steps, ...series.map((one) => state.rows.map((row, i) => seriesValue(one, row, i)))];
 }
 
-function drawCharts() {
-  for (const [id, names] of Object.entries(CHARTS)) {
-    const data = chartData(names);
+function drawCharts(charts) {
+  for (const [id, series] of Object.entries(charts)) {
+    const data = chartData(series);
     if (state.charts[id]) {
       state.charts[id].setData(data);
       continue;
@@ -110,8 +111,9 @@ function drawCharts() {
       width: Math.max(380, box.clientWidth - 12),
       height: 190,
       scales: { x: { time: false } },
-      series: [{ label: "step" }, ...names.map(([name, stroke]) => ({
-        label: name, stroke, width: name === "threshold" ? 1 : 1.5, dash: name === "threshold" ? [5, 5] : undefined,
+      series: [{ label: "step" }, ...series.map((one, i) => ({
+        label: one.unit ? `${one.name} (${one.unit})` : one.name, stroke: (COLOURS[id] || [])[i] || "#444",
+        width: one.derived === "ess_threshold" ? 1 : 1.5, dash: one.derived === "ess_threshold" ? [5, 5] : undefined,
         spanGaps: true,
       }))],
       axes: [{ label: "step" }, {}],
@@ -137,8 +139,10 @@ function drawHeadline(o) {
     el("span", {}, `${o.sync_policy_detail} · published v`, el("b", { id: "published-version" }, o.published_version),
        " · trainer v", el("b", { id: "trainer-version" }, o.trainer_version), " · last step ",
        el("b", { id: "last-step", "data-value": last ? last.step : "" }, last ? last.step : "–"),
-       " · reward ", el("b", { id: "last-reward", "data-value": last ? last.reward_mean : "" }, fmt(last && last.reward_mean, 4)),
-       " · ess_lag ", el("b", { id: "last-ess-lag", "data-value": last ? last.ess_lag : "" }, fmt(last && last.ess_lag, 4))),
+       " · reward ", el("b", { id: "last-reward", "data-value": last ? last[o.headline.reward] : "" },
+                        fmt(last && last[o.headline.reward], 4)),
+       ` · ${o.headline.lag} `, el("b", { id: "last-ess-lag", "data-value": last ? last[o.headline.lag] : "" },
+                                       fmt(last && last[o.headline.lag], 4))),
   );
 }
 
@@ -199,7 +203,7 @@ async function poll() {
     state.syncSteps = o.syncs.map((s) => s.step);
     state.essThreshold = o.ess_threshold;
     drawHeadline(o);
-    drawCharts();
+    drawCharts(o.charts);
     drawPlan(o);
     drawSamplers(o);
     drawSyncs(o);

@@ -146,6 +146,10 @@ def test_overview_has_the_plan_the_steps_with_nan_as_null_and_dead_letters(dashb
     assert overview["counts"]["trained"] == 1 and overview["deadletters"]["length"] == 1
     assert overview["deadletters"]["recent"][0]["reason"] == "rollout_id 'x' does not name its plan slot"
     assert get_json(f"{base}/api/overview?since=1")[1]["steps"] == {"from": 1, "rows": []}
+    # The page draws the statistics the API names (rlcommon/step_stats.py), with their units.
+    ess_chart = {series["name"]: series for series in overview["charts"]["chart-ess"]}
+    assert ess_chart["ess_lag"]["unit"] == "fraction in [0, 1]" and ess_chart["threshold"]["derived"] == "ess_threshold"
+    assert overview["headline"] == {"reward": "reward_mean", "lag": "ess_lag"}
 
 
 def rollout(batch_id: int, group_id: int, sample_index: int, text: str, reward: float) -> Rollout:

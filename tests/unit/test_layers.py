@@ -146,3 +146,21 @@ def test_nothing_outside_rlcommon_streams_spells_a_stream_name_or_a_key_prefix()
                               if isinstance(arg, ast.Constant) and arg.value in ("tasks", "rollouts", "deadletter",
                                                                                 "tokens")]
     assert not wrong, "use rlcommon.streams' names:\n" + "\n".join(sorted(wrong))
+
+
+ROW_FIELDS = {"step", "weight_version", "tokens", "num_rollouts"}
+"""Step statistics whose names are also fields of other records the page shows (a sampler's version and
+rollout count, a rollout's tokens, a sync's step): the script may spell those."""
+
+
+def test_the_dashboard_script_spells_no_step_statistic():
+    """The page reads the statistics' names from the API (coordinator/dashboard_data.py CHARTS and HEADLINE,
+    built from rlcommon/step_stats.py), so renaming a statistic there renames it on the page."""
+    import re
+
+    from rlcommon.step_stats import STATS
+
+    script = (REPO / "coordinator/static/dashboard.js").read_text()
+    spelled = sorted(name for name in set(STATS) - ROW_FIELDS
+                     if re.search(r"[\"'`.]" + re.escape(name) + r"\b", script))
+    assert not spelled, f"coordinator/static/dashboard.js spells step statistics {spelled}: read them from the API"
