@@ -219,7 +219,7 @@ def field_max_bytes(name: str, limits: WireLimits) -> int:
 def largest_rollout_bytes(limits: WireLimits) -> int:
     """The most bytes a rollout that passes decode under `limits` takes (every field at its largest), about
     4 P + 8 R (1 + K) for P prompt tokens, R response tokens, K top-K width, plus 0.3 MB of other fields.
-    `WireLimits.max_message_bytes` defaults to a bound of it (rlcommon/config.py)."""
+    `WireLimits.max_message_bytes` defaults to a bound of it (rlcommon/config/wire_limits.py)."""
     names = ("v", "type", *_FIELDS[Rollout])
     return 5 + sum(1 + len(name) + field_max_bytes(name, limits) for name in names)
 

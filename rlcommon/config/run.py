@@ -1,0 +1,84 @@
+"""`RunConfig`: the whole run, one field per section, and the checks that span sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from rlcommon.config.base import StrictModel
+from rlcommon.config.bus import BusConfig, RedisConfig
+from rlcommon.config.coordinator import CoordinatorConfig
+from rlcommon.config.model import ModelConfig, TaskConfig
+from rlcommon.config.placement import PlacementConfig
+from rlcommon.config.sampler import SamplerConfig, SamplingConfig
+from rlcommon.config.tracking import TrackingConfig
+from rlcommon.config.trainer import TrainerConfig
+from rlcommon.config.wire_limits import WireLimits
+
+__all__ = ["RunConfig"]
+
+
+class RunConfig(StrictModel):
+    run_dir: str = "runs/default"
+    """Folder of this run: logs, metrics.jsonl, checkpoints, published weights, plots."""
+    steps: int = Field(20, ge=1)
+    """Trainer steps (batches) of the run."""
+    num_samplers: int = Field(1, ge=1)
+    """Sampler processes the local launcher starts."""
+    max_restarts: int = Field(3, ge=0)
+    """Times the local launcher restarts each crashed service (compose's `restart: on-failure`) before it
+    stops the run; 0 stops the run at the first crash."""
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    wire: WireLimits = Field(default_factory=WireLimits)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _queue_fits_what_the_trainer_holds(self) -> RunConfig:
+        """The trainer acks rollouts only once a checkpoint covers them, and rollouts of the batches planned
+        ahead wait in the queue too: a queue limit below what it may hold while waiting for the rest of its
+        current batch would stop the samplers for good."""
+        c = self.coordinator
+        held = (self.trainer.checkpoint_every - 1 + c.max_inflight_batches) * c.batch_size * c.group_size
+        if self.bus.max_queue_depth is None:
+            self.bus.max_queue_depth = max(4096, 2 * held)
+        if self.bus.max_stream_len is None:
+            self.bus.max_stream_len = max(100, self.bus.max_queue_depth)
+        if self.bus.max_queue_depth < held:
+            raise ValueError(
+                f"bus.max_queue_depth = {self.bus.max_queue_depth} is below the {held} rollouts the trainer may "
+                f"hold unacked ((trainer.checkpoint_every - 1 + coordinator.max_inflight_batches) x batch_size "
+                f"x group_size = ({self.trainer.checkpoint_every} - 1 + {c.max_inflight_batches}) x "
+                f"{c.batch_size} x {c.group_size}): the samplers would wait for room forever; raise "
+                f"bus.max_queue_depth or lower trainer.checkpoint_every"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sampler_capacity(self) -> RunConfig:
+        if self.sampler.max_inflight_tasks is None:
+            self.sampler.max_inflight_tasks = self.coordinator.max_inflight_batches * self.coordinator.batch_size
+        return self
+
+    @model_validator(mode="after")
+    def _one_gpu_per_trainer_rank(self) -> RunConfig:
+        shards, gpus = self.trainer.parallel.dp_shard, self.placement.trainer_gpus
+        if self.placement.lock_dir is not None and self.trainer.device.startswith("cuda") and shards != len(gpus):
+            raise ValueError(
+                f"trainer.parallel.dp_shard = {shards} ranks need as many GPUs, but placement.trainer_gpus is {gpus} "
+                f"(compose: DLC_TRAINER_GPUS=<{shards} ids> with DLC_TRAINER_SHARDS={shards})"
+            )
+        return self
+
+    @property
+    def publish_dir(self) -> Path:
+        """Where the trainer publishes weight versions (shared storage between trainer and samplers)."""
+        return Path(self.run_dir) / "weights"

@@ -1,0 +1,81 @@
+"""How responses are generated: the sampling parameters (`sampling`, whose temperature the trainer applies
+too) and the sampler service with its engine (`sampler`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from rlcommon.config.base import StrictModel
+
+__all__ = ["SamplingConfig", "SamplerConfig"]
+
+
+class SamplingConfig(StrictModel):
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer applies the same temperature to its logprobs."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling (-1 = off)."""
+    max_tokens: int = Field(16, ge=1)
+    """Maximum response length in tokens."""
+    logprobs_topk: int = Field(20, ge=1, le=64)
+    """K: size of the transmitted top-K of the processed distribution (for score centering)."""
+
+
+class SamplerConfig(StrictModel):
+    sampler_id: str | None = None
+    """Stable id of this sampler; default `<hostname>-<pid>`."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Engine precision (can differ from the trainer's to create a numerical discrepancy)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """vLLM memory fraction (on CPU: the KV cache size fraction of the machine's RAM)."""
+    kv_cache_gib: Annotated[float, Field(gt=0)] | Literal["fit"] | None = None
+    """KV cache size in GiB (vLLM `kv_cache_memory_bytes`), instead of the `gpu_memory_utilization` share;
+    on CPU that share of the machine's RAM is reserved (and zeroed) per engine (0.3 of 24 GiB = 7 GiB), so small
+    models set this. `fit`: sized to the model and the sampler's batch, every sequence it runs at once (its
+    `max_inflight_tasks` x the group size) at `max_model_len` (`sampler_svc.engine.fitted_kv_cache_bytes`)."""
+    max_model_len: int = Field(256, ge=8)
+    """vLLM max model length."""
+    max_inflight_tasks: int | None = Field(None, ge=1)
+    """Tasks taken from the stream at once (capacity); more are left for other samplers. None (in a RunConfig):
+    the coordinator's whole planned window, `max_inflight_batches x batch_size` tasks, so that one engine
+    batches every planned sample at once (continuous batching); with several replicas a lower value spreads
+    the tasks more evenly."""
+    enforce_eager: bool | None = None
+    """Run the model eagerly: no torch.compile warm-up when the engine starts (and no compiled graphs after).
+    None: eager on CPU (compiling takes 20-30 s of the start-up there and bought no measured speed:
+    `benchmarks/pipeline.py`), compiled with CUDA graphs on GPU."""
+    cpu_executor: Literal["uni", "mp"] = "uni"
+    """On CPU, where vLLM runs the model: `uni` inside its engine-core process (one process fewer to start, no
+    worker spin-waiting on a shared-memory queue beside the trainer); `mp` in a worker process of its own
+    (vLLM's CPU default; it binds OpenMP threads to cores when `VLLM_CPU_OMP_THREADS_BIND` asks)."""
+    cpu_engine_start: Literal["fork", "spawn"] = "fork"
+    """On CPU, how the sampler service starts vLLM's engine-core process: `fork` (from the sampler, which has
+    imported vLLM and run no torch computation yet: no second import, 13-16 s off the first step here) or
+    `spawn` (vLLM's CPU default: a fresh interpreter that imports vLLM again). See sampler_svc/engine_process.py.
+    On GPU vLLM decides (fork unless CUDA is initialized)."""
+    weight_transfer: Literal["path"] = "path"
+    """How new weights arrive: a published version folder on storage the trainer and samplers share. The only
+    transport so far: NCCL transfer (vLLM's weight-transfer API) waits until it can be built and tested on GPUs."""
+    seed: int = Field(0, ge=0)
+    """Base seed; per-request seeds derive from it and the task id."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port (None = off, 0 = pick a free one)."""
+    metrics_host: str = "127.0.0.1"
+    """Host the Prometheus port binds (compose: 0.0.0.0 inside the container, for Prometheus on its network)."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Heartbeat interval to the coordinator."""
+    weights_dir: str | None = None
+    """Where this sampler finds the published versions when it mounts the trainer's publish folder under another
+    path (another node): a weight update's folder is looked up by its name (v000123) here. None: the path the
+    update names, which must then be inside `<run_dir>/weights`. Either way the sampler loads only a `vNNNNNN`
+    folder directly inside this root, every link resolved (rlcommon/weight_store.py resolve_announced_version)."""
+    reload_retry_s: float = Field(1.0, gt=0)
+    """After a failed weight load, the first wait before loading again; doubled after each further failure, up to
+    `reload_retry_max_s`. Until a load succeeds the sampler takes no task (it would sample with stale weights)
+    and the coordinator reports it unhealthy."""
+    reload_retry_max_s: float = Field(30.0, gt=0)
+    """Longest wait between two tries of a weight load that keeps failing."""
