@@ -57,9 +57,6 @@ class SamplerConfig(StrictModel):
     imported vLLM and run no torch computation yet: no second import, 13-16 s off the first step here) or
     `spawn` (vLLM's CPU default: a fresh interpreter that imports vLLM again). See sampler_svc/engine_process.py.
     On GPU vLLM decides (fork unless CUDA is initialized)."""
-    weight_transfer: Literal["path"] = "path"
-    """How new weights arrive: a published version folder on storage the trainer and samplers share. The only
-    transport so far: NCCL transfer (vLLM's weight-transfer API) waits until it can be built and tested on GPUs."""
     seed: int = Field(0, ge=0)
     """Base seed; per-request seeds derive from it and the task id."""
     metrics_port: int | None = Field(None, ge=0, le=65535)

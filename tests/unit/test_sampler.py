@@ -335,12 +335,6 @@ def test_check_compatible_names_the_differing_keys(tmp_path, tiny_source):
         check_compatible(other, source)
 
 
-def test_weight_transfer_has_one_transport_until_nccl_is_built():
-    assert SamplerConfig().weight_transfer == "path"
-    with pytest.raises(ValueError, match="weight_transfer"):
-        SamplerConfig(weight_transfer="nccl")
-
-
 def test_execution_settings_eager_and_one_process_on_cpu_compiled_on_gpu():
     from sampler_svc.engine import execution_settings
 
