@@ -65,8 +65,8 @@ async def serve(cfg: RunConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from coordinator.errors import StartupError
     from coordinator.planner import PlanError
-    from coordinator.service import StartupError
     from rlcommon.bus import BusAuthError, BusUnavailableError
     from rlcommon.embedded_redis import EmbeddedRedisError
 

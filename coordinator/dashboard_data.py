@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.service import InvalidArgument
+from coordinator.errors import InvalidArgument
 from coordinator.state import CoordinatorStore
 from rlcommon import step_stats
 from rlcommon.streams import DATA_FIELD, DEADLETTER, ROLLOUTS, TOKENS, stream_key

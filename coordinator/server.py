@@ -33,8 +33,9 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator import auth, convert
 from coordinator.dashboard import DashboardServer
+from coordinator.errors import CoordinatorError, FailedPrecondition, InvalidArgument, NotFound
 from coordinator.read_cache import ReadCache
-from coordinator.service import Coordinator, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound
+from coordinator.service import Coordinator
 from coordinator.syncs import WeightBroadcaster
 from coordinator.worker import READ, CoordinatorThread
 from protos import coordinator_pb2 as pb
