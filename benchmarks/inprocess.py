@@ -89,7 +89,7 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
     from transformers import AutoModelForCausalLM
 
     from rlcommon.models import resolve_model
-    from rlcommon.tokenizer import load_tokenizer
+    from rlcommon.models.tokenizer import load_tokenizer
     from trainer_svc.step import TrainStep
 
     torch.set_num_threads(threads)

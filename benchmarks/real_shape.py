@@ -4,7 +4,7 @@ reload against the disk, a `make run` of a few steps, and which Qwen3 sizes fit 
     python -m benchmarks.real_shape --json [--batch-size 8 --group-size 4 --max-tokens 16] [--out DIR] [--no-e2e]
 
 On `--preset` (default `qwen3-0.6b`: all 28 layers, the tied 151,936 x 1024 embedding, a seeded random init
-built and cached by rlcommon/tiny_model.py). Progress lines go to stderr, one JSON object to stdout.
+built and cached by rlcommon/models/builder.py). Progress lines go to stderr, one JSON object to stdout.
 
 - **trainer**: each configuration in its own fresh process (so that its memory is its own): `trainer.dtype`
   float32 and bfloat16 (bf16 autocast, float32 master weights), each `base` (the LM head in chunks of
@@ -79,7 +79,7 @@ FIT_VARIANT = "ckpt"
 QWEN3_SIZES: dict[str, dict[str, Any]] = {
     "Qwen3-0.6B": {"config": "qwen3-0.6b"},
     "Qwen3-1.7B": {"config": "qwen3-1.7b"},
-    # Not kept in rlcommon/model_configs/: the fields of the hub's config.json that set the size (the counts
+    # Not kept in rlcommon/models/model_configs/: the fields of the hub's config.json that set the size (the counts
     # below give the model cards' 4.0B (3.6B non-embedding) and 8.2B (6.95B non-embedding)).
     "Qwen3-4B": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
                  "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936, "tie_word_embeddings": True},
@@ -146,7 +146,7 @@ def qwen3_num_parameters(config: dict[str, Any]) -> tuple[int, int]:
 
 
 def qwen3_size_configs() -> dict[str, dict[str, Any]]:
-    from rlcommon.tiny_model import hub_config
+    from rlcommon.models.presets import hub_config
 
     return {name: hub_config(spec["config"]) if "config" in spec else dict(spec) for name, spec in QWEN3_SIZES.items()}
 
@@ -268,7 +268,7 @@ def measure_trainer(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from rlcommon.tokenizer import load_tokenizer
+    from rlcommon.models.tokenizer import load_tokenizer
     from trainer_svc.batch import build_batch
     from trainer_svc.logprobs import batch_logprobs
     from trainer_svc.step import TrainStep
@@ -763,7 +763,7 @@ def _print_text(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.real_shape", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    parser.add_argument("--preset", default="qwen3-0.6b", help="real-shape preset of rlcommon.tiny_model")
+    parser.add_argument("--preset", default="qwen3-0.6b", help="real-shape preset of rlcommon.models.presets")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "models", help="model.cache_dir")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-real-shape", help="folder of the plot")
     parser.add_argument("--work-dir", type=Path, default=None,
@@ -799,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from rlcommon.models import resolve_model
-    from rlcommon.tiny_model import PRESETS, RealShape, preset_config_json
+    from rlcommon.models.presets import PRESETS, RealShape, preset_config_json
 
     if not isinstance(PRESETS.get(args.preset), RealShape):
         real = [name for name, shape in PRESETS.items() if isinstance(shape, RealShape)]

@@ -2,7 +2,7 @@
 
     python -m benchmarks.sampler --json
 
-For each model preset (default: tiny and small, built by rlcommon.tiny_model and cached), on the same
+For each model preset (default: tiny and small, built by rlcommon.models.builder and cached), on the same
 prompts (the task's eval set: short arithmetic answers, then EOS) and settings (G samples per prompt,
 max_tokens, temperature 1, top-p 1, top-20 logprobs), median tokens/s over `--rounds` timed rounds after
 a warm-up:
@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from rlcommon.config import ModelConfig, SamplerConfig, SamplingConfig, TaskConfig
+from rlcommon.models.tokenizer import load_tokenizer
 from rlcommon.tasks import TaskSource
-from rlcommon.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -67,8 +67,8 @@ def cpu_delta(before: dict[int, float], after: dict[int, float]) -> dict[int, fl
 
 def tasks_of(cfg: RunConfig, model_dir: Any) -> list[Any]:
     """The run's first batch as the coordinator writes it: B tasks of G samples."""
+    from rlcommon.models.tokenizer import load_tokenizer
     from rlcommon.tasks import TaskSource
-    from rlcommon.tokenizer import load_tokenizer
     from rlcommon.wire import Task
 
     tokenizer = load_tokenizer(model_dir)
@@ -168,8 +168,8 @@ def hf_rounds(cfg: RunConfig, model_dir: Any, *, rounds: int, warmup: int) -> di
     from transformers import AutoModelForCausalLM
 
     from benchmarks.inprocess import generate_rollouts_hf
+    from rlcommon.models.tokenizer import load_tokenizer
     from rlcommon.tasks import TaskSource
-    from rlcommon.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)

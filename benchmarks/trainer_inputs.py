@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcommon.tiny_model import preset_config
+from rlcommon.models.presets import preset_config
 from rlcommon.wire import Rollout
 
 __all__ = ["build_model", "make_rollouts"]

@@ -82,7 +82,7 @@ def worker(out: str, preset: str, steps: int) -> None:
 
     from benchmarks.trainer_inputs import build_model, make_rollouts
     from rlcommon.config import TrainerConfig
-    from rlcommon.tiny_model import preset_tokenizer
+    from rlcommon.models.presets import preset_tokenizer
     from trainer_svc.parallel import DataParallel
     from trainer_svc.step import TrainStep
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trainer_ranks", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--ranks", default="1,2", help="comma-separated numbers of ranks")
-    parser.add_argument("--preset", default="qwen3-0.6b-L2", help="a preset of rlcommon.tiny_model")
+    parser.add_argument("--preset", default="qwen3-0.6b-L2", help="a preset of rlcommon.models.presets")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -29,8 +29,8 @@ import torch
 
 from benchmarks.trainer_inputs import build_model, make_rollouts
 from rlcommon.config import TrainerConfig
+from rlcommon.models.presets import PRESETS, preset_tokenizer
 from rlcommon.step_stats import ESS_LAG
-from rlcommon.tiny_model import PRESETS, preset_tokenizer
 from trainer_svc.step import TrainStep
 
 METHODS = ("naive", "dlc")
@@ -93,7 +93,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trainer_step", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--presets", default="tiny,small", help="comma-separated presets of rlcommon.tiny_model")
+    parser.add_argument("--presets", default="tiny,small", help="comma-separated presets of rlcommon.models.presets")
     parser.add_argument("--repeats", type=int, default=12, help="timed steps per (preset, freshness, method)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="prompt groups per batch (B)")

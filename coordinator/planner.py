@@ -476,11 +476,11 @@ def tokenizer_for(model_cfg: Any, task_cfg: Any) -> Any:
     """The prompt tokenizer of `model.name_or_path` (its `encode` and `decode`), without torch.
 
     A builder preset uses the tokenizer the preset is built with (the model itself need not exist yet);
-    a local folder or a hub snapshot is read with `rlcommon.tokenizer.load_tokenizer`.
+    a local folder or a hub snapshot is read with `rlcommon.models.tokenizer.load_tokenizer`.
     """
     from rlcommon.models import model_source, resolve_model
-    from rlcommon.tiny_model import preset_tokenizer
-    from rlcommon.tokenizer import load_tokenizer
+    from rlcommon.models.presets import preset_tokenizer
+    from rlcommon.models.tokenizer import load_tokenizer
 
     try:
         source = model_source(model_cfg.name_or_path)

@@ -151,7 +151,7 @@ async def run_experiment(
     from experiments.kl import ReferenceStore
     from experiments.runner import ExperimentContext, build_problems
     from rlcommon.models import resolve_model
-    from rlcommon.tokenizer import load_tokenizer
+    from rlcommon.models.tokenizer import load_tokenizer
     from rlcommon.weight_store import publish_version
 
     started = time.perf_counter()

@@ -34,7 +34,7 @@ import numpy as np
 
 from rlcommon.config import SamplerConfig, SamplingConfig
 from rlcommon.logs import timeline
-from rlcommon.tokenizer import TextTokenizer, load_tokenizer
+from rlcommon.models.tokenizer import TextTokenizer, load_tokenizer
 from rlcommon.weight_store import load_version
 from sampler_svc.engine_process import EngineStart, engine_core_start
 from sampler_svc.logprob_rows import rows_of_samples

@@ -35,11 +35,11 @@ from rlcommon.coordinator_api import Coordinator, Status, StepAnswer
 from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
+from rlcommon.models.tokenizer import load_tokenizer
 from rlcommon.plan_ids import plan_horizon, slot_rollout_id
 from rlcommon.step_stats import ESS_LAG, REWARD_MEAN
 from rlcommon.streams import DATA_FIELD, ROLLOUTS, ROLLOUTS_GROUP, TOKENS, stream_key
 from rlcommon.token_stats import encode_token_stats
-from rlcommon.tokenizer import load_tokenizer
 from rlcommon.trackers import open_trackers
 from rlcommon.weight_store import (
     PublishedVersion,

@@ -24,15 +24,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator import dlcctl
+from coordinator.errors import StartupError
 from coordinator.server import SERVICE_NAME, CoordinatorServer
-from coordinator.service import Coordinator, StartupError
+from coordinator.service import Coordinator
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon import wire
 from rlcommon.bus import RedisConnection, stream_key
 from rlcommon.config import RunConfig, load_config
+from rlcommon.models.tokenizer import CharTokenizer
 from rlcommon.rpc import READS_BUSY, AsyncCoordinatorClient, CoordinatorClient
-from rlcommon.tokenizer import CharTokenizer
 
 B, G = 2, 2
 RUN_ID = "itest"

@@ -21,9 +21,9 @@ from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon.bus import DATA_FIELD, RedisConnection, StreamProducer, stream_key
 from rlcommon.config import RunConfig, load_config
+from rlcommon.models.tokenizer import CharTokenizer
 from rlcommon.plan_ids import slot_rollout_id
 from rlcommon.token_stats import encode_token_stats
-from rlcommon.tokenizer import CharTokenizer
 from rlcommon.wire import Rollout
 
 RUN_ID = "dash"

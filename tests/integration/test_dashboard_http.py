@@ -19,7 +19,7 @@ from coordinator.dashboard_data import DashboardData
 from coordinator.service import Coordinator
 from rlcommon.bus import RedisConnection
 from rlcommon.config import RunConfig, load_config
-from rlcommon.tokenizer import CharTokenizer
+from rlcommon.models.tokenizer import CharTokenizer
 from tests.integration.test_coordinator_grpc import self_signed
 
 RUN_ID = "dash-http"

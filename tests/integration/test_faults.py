@@ -626,7 +626,7 @@ def coordinator(redis_url):
     from coordinator.server import CoordinatorServer
     from coordinator.service import Coordinator
     from rlcommon.bus import RedisConnection
-    from rlcommon.tokenizer import CharTokenizer
+    from rlcommon.models.tokenizer import CharTokenizer
 
     servers = []
 

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from rlcommon.config import ModelConfig, SamplerConfig, SamplingConfig, TaskConfig, WireLimits
+from rlcommon.models.tokenizer import QWEN3_VOCAB_SIZE, load_tokenizer
 from rlcommon.tasks import TaskSource
-from rlcommon.tokenizer import QWEN3_VOCAB_SIZE, load_tokenizer
 from rlcommon.weight_store import publish_version, verify_version_folder
 from rlcommon.wire import Rollout, Task, WireError, decode, encode
 from sampler_svc.rollouts import generate_rollouts
@@ -108,7 +108,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from rlcommon.config import ModelConfig, TaskConfig, WireLimits
 from rlcommon.models import resolve_model
-from rlcommon.tokenizer import load_tokenizer
+from rlcommon.models.tokenizer import load_tokenizer
 from rlcommon.wire import Rollout, decode
 from tests.integration.test_real_shape import trainer_gaps
 
@@ -234,7 +234,7 @@ def publish_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_built_preset_is_the_hub_architecture_with_two_layers(real_model_dir):
     from safetensors import safe_open
 
-    from rlcommon.tiny_model import hub_config
+    from rlcommon.models.presets import hub_config
 
     config = json.loads((real_model_dir / "config.json").read_text())
     assert config == hub_config("qwen3-0.6b") | {"num_hidden_layers": 2}

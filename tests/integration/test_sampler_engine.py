@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from rlcommon.config import SamplingConfig, TaskConfig
+from rlcommon.models.tokenizer import load_tokenizer
 from rlcommon.plan_ids import rollout_id
 from rlcommon.rewards import reward
 from rlcommon.tasks import TaskSource
-from rlcommon.tokenizer import load_tokenizer
 from rlcommon.weight_store import WeightsError, publish_version, version_folder
 from rlcommon.wire import Rollout, Task, decode, encode
 from sampler_svc.rollouts import generate_rollouts

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 from rlcommon import wire
 from rlcommon.config import ModelConfig, TaskConfig, TrainerConfig
 from rlcommon.models import resolve_model
+from rlcommon.models.tokenizer import load_tokenizer
+from rlcommon.models.warm_start import measure_reward
 from rlcommon.rewards import reward
 from rlcommon.tasks import TaskSource
-from rlcommon.tiny_model import measure_reward
-from rlcommon.tokenizer import load_tokenizer
 from tests.torch_sampler import sample_rollouts
 from trainer_svc.step import TrainStep
 

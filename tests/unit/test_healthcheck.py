@@ -17,7 +17,7 @@ from rlcommon.healthcheck import main, probe, service_of
 def test_the_service_is_read_off_its_command_line():
     argv = ["/opt/venv/bin/python", "-m", "sampler_svc", "--config", "/configs/default.toml", "--sampler.metrics_port", "9"]
     assert service_of(argv) == ("sampler_svc", ["--config", "/configs/default.toml", "--sampler.metrics_port", "9"])
-    assert service_of(["python", "-m", "rlcommon.tiny_model", "--preset", "tiny"]) is None
+    assert service_of(["python", "-m", "rlcommon.models", "--preset", "tiny"]) is None
     cfg = config_from_args(["--port", "7000", "--coordinator.host", "0.0.0.0"], port_flag=True)
     assert cfg.coordinator.port == 7000 and cfg.coordinator.host == "0.0.0.0"
 

@@ -1,6 +1,6 @@
-"""How `model.name_or_path` is resolved (`rlcommon.models`): presets, local folders, hub names (resolved
-from a local Hugging Face cache offline, as a service does at start-up), the one clear error for a missing
-hub model, and no torch at import.
+"""How `model.name_or_path` is resolved (`rlcommon.models.resolve`): presets, local folders, hub names
+(resolved from a local Hugging Face cache offline, as a service does at start-up), the one clear error for a
+missing hub model, and no torch at import.
 """
 
 import json
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rlcommon import models, tiny_model
 from rlcommon.config import ModelConfig, TaskConfig
-from rlcommon.tiny_model import PRESETS, hub_config
+from rlcommon.models import builder, resolve
+from rlcommon.models.presets import PRESETS, hub_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,37 +29,37 @@ def test_import_needs_neither_torch_nor_the_hub_client():
 
 def test_model_source(tmp_path):
     for preset in PRESETS:
-        assert models.model_source(preset) == "preset", preset
-    assert models.model_source(str(tmp_path)) == "local"
-    assert models.model_source("Qwen/Qwen3-0.6B") == "hub"
-    assert models.model_source("gpt2") == "hub"
+        assert resolve.model_source(preset) == "preset", preset
+    assert resolve.model_source(str(tmp_path)) == "local"
+    assert resolve.model_source("Qwen/Qwen3-0.6B") == "hub"
+    assert resolve.model_source("gpt2") == "hub"
     for bad in ["./missing-model", str(tmp_path / "missing"), "~/nope", "a/b/c", "has space/x"]:
         with pytest.raises(ValueError, match="no such local folder"):
-            models.model_source(bad)
+            resolve.model_source(bad)
 
 
 def test_resolve_local_folder(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
-        models.resolve_model(ModelConfig(name_or_path=str(tmp_path)), TaskConfig())
+        resolve.resolve_model(ModelConfig(name_or_path=str(tmp_path)), TaskConfig())
     (tmp_path / "config.json").write_text("{}")
     assert (
-        models.resolve_model(ModelConfig(name_or_path=str(tmp_path)), TaskConfig()) == tmp_path.resolve()
+        resolve.resolve_model(ModelConfig(name_or_path=str(tmp_path)), TaskConfig()) == tmp_path.resolve()
     )
 
 
 def test_resolve_preset_builds_with_config_fields(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        tiny_model, "build_tiny_model", lambda preset, **kw: calls.append((preset, kw)) or Path("x")
+        builder, "build_tiny_model", lambda preset, **kw: calls.append((preset, kw)) or Path("x")
     )  # the builder, which resolve_model imports when it resolves a preset
     task_cfg = TaskConfig(difficulty=2)
     model_cfg = ModelConfig(name_or_path="small", seed=3, cache_dir="/c", warm_start_steps=7)
-    assert models.resolve_model(model_cfg, task_cfg) == Path("x")
+    assert resolve.resolve_model(model_cfg, task_cfg) == Path("x")
     assert calls == [("small", {"task_cfg": task_cfg, "seed": 3, "cache_dir": "/c", "warm_start_steps": 7})]
 
 
 def test_resolve_hub_name_uses_the_download(tmp_path):
-    got = models.resolve_model(
+    got = resolve.resolve_model(
         ModelConfig(name_or_path="org/model"), TaskConfig(), download=lambda name: tmp_path
     )
     assert got == tmp_path.resolve()
@@ -72,12 +72,12 @@ def test_resolve_hub_name_offline_is_a_clear_error(monkeypatch):
         raise OSError("network is unreachable")
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(models, "_snapshot_download", offline)
+    monkeypatch.setattr(resolve, "_snapshot_download", offline)
     with pytest.raises(
-        models.ModelNotFoundError,
+        resolve.ModelNotFoundError,
         match=r"could not download hub model 'Qwen/Qwen3-0.6B'.*unreachable.*not in the Hugging Face cache.*preset",
     ):
-        models.resolve_model(ModelConfig(name_or_path="Qwen/Qwen3-0.6B"), TaskConfig())
+        resolve.resolve_model(ModelConfig(name_or_path="Qwen/Qwen3-0.6B"), TaskConfig())
 
 
 RESOLVE_HUB_NAME = (
@@ -120,7 +120,7 @@ def test_missing_hub_model_offline_is_one_clear_error(tmp_path):
     done = resolve_in_service_process("Qwen/Qwen3-1.7B", tmp_path)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("rlcommon.models.ModelNotFoundError: model.name_or_path: hub model 'Qwen/Qwen3-1.7B'")
+    assert last.startswith("rlcommon.models.resolve.ModelNotFoundError: model.name_or_path: hub model 'Qwen/Qwen3-1.7B'")
     for part in (
         f"is not in the Hugging Face cache {tmp_path / 'hub'} (HF_HOME={tmp_path})",
         "HF_HUB_OFFLINE=1 forbids downloading it",

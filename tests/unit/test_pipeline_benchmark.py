@@ -41,7 +41,7 @@ def test_inprocess_rollouts_carry_the_models_own_processed_logprobs():
     from transformers import AutoModelForCausalLM
 
     from rlcommon.models import resolve_model
-    from rlcommon.tokenizer import load_tokenizer
+    from rlcommon.models.tokenizer import load_tokenizer
     from trainer_svc.batch import build_batch
     from trainer_svc.logprobs import batch_logprobs
 

@@ -11,9 +11,9 @@ from coordinator.state import CoordinatorStore, TasksStream
 from rlcommon import wire
 from rlcommon.bus import RedisConnection, StreamProducer, stream_key
 from rlcommon.config import TaskConfig
+from rlcommon.models.tokenizer import CharTokenizer
 from rlcommon.plan_ids import task_id_of
 from rlcommon.tasks import TaskSource
-from rlcommon.tokenizer import CharTokenizer
 
 B, G = 3, 4
 
@@ -321,7 +321,7 @@ def test_encoder_for_a_preset_is_the_tokenizer_it_is_built_with():
     ids (the character tokenizer spread over 151,936 ids), the tiny preset's the 64-id ones."""
     from coordinator.planner import encoder_for
     from rlcommon.config import ModelConfig
-    from rlcommon.tokenizer import Qwen3CharTokenizer
+    from rlcommon.models.tokenizer import Qwen3CharTokenizer
 
     prompt = TaskSource(TaskConfig()).problem(0).prompt
     assert encoder_for(ModelConfig(name_or_path="tiny"), TaskConfig())(prompt) == CharTokenizer().encode(prompt)

@@ -25,8 +25,8 @@ from rlcommon.bus import (
 )
 from rlcommon.config import BusConfig, RedisConfig, RunConfig, load_config
 from rlcommon.embedded_redis import EmbeddedRedis
+from rlcommon.models.tokenizer import CharTokenizer
 from rlcommon.redis_acl import SERVICE_USERS, acl_rules, default_user_rules, service_users
-from rlcommon.tokenizer import CharTokenizer
 from tests.unit.test_wire import make_rollout
 
 RUN = "acl"

@@ -38,7 +38,7 @@ def real_shape_model(seed: int = 0) -> Qwen3ForCausalLM:
     """A random float32 model of the `REAL_SHAPE_PRESET` shape (tied embeddings), built in memory."""
     from transformers import AutoModelForCausalLM
 
-    from rlcommon.tiny_model import preset_config
+    from rlcommon.models.presets import preset_config
 
     config = preset_config(REAL_SHAPE_PRESET)
     assert (config.vocab_size, config.hidden_size, config.tie_word_embeddings) == (151_936, 1024, True)

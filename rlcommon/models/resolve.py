@@ -2,9 +2,9 @@
 
 `resolve_model` is what the launcher, the coordinator (for the prompt tokenizer only), the samplers and the
 trainer call at start-up. `name_or_path` is one of:
-- a builder preset (`rlcommon.tiny_model.PRESETS`: `tiny`, `small`, the real Qwen3 shapes): built by
-  `rlcommon.tiny_model.build_tiny_model` and cached under `model.cache_dir`. Presets win over a folder of the
-  same name.
+- a builder preset (`rlcommon.models.presets.PRESETS`: `tiny`, `small`, the real Qwen3 shapes): built by
+  `rlcommon.models.builder.build_tiny_model` and cached under `model.cache_dir`. Presets win over a folder of
+  the same name.
 - a local folder with a config.json.
 - a hub name (`Qwen/Qwen3-0.6B`): resolved by `huggingface_hub.snapshot_download`, which reads `HF_HOME` /
   `HF_HUB_CACHE` and, with `HF_HUB_OFFLINE=1`, serves it from the local cache only; a model it cannot find
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from rlcommon.config import ModelConfig, TaskConfig
-from rlcommon.tiny_model import PRESETS
+from rlcommon.models.presets import PRESETS, RealShape, preset_config_json, preset_tokenizer
 
 __all__ = ["ModelNotFoundError", "model_source", "model_vocab_size", "resolve_model"]
 
@@ -78,7 +78,7 @@ def resolve_model(
     name = model_cfg.name_or_path
     source = model_source(name)
     if source == "preset":
-        from rlcommon.tiny_model import build_tiny_model
+        from rlcommon.models.builder import build_tiny_model
 
         return build_tiny_model(
             name,
@@ -110,8 +110,6 @@ def model_vocab_size(model_cfg: ModelConfig, task_cfg: TaskConfig, *, model_dir:
     if model_dir is None:
         name = model_cfg.name_or_path
         if model_source(name) == "preset":
-            from rlcommon.tiny_model import RealShape, preset_config_json, preset_tokenizer
-
             if isinstance(PRESETS[name], RealShape):
                 return int(preset_config_json(name)["vocab_size"])
             return preset_tokenizer(name).vocab_size  # tiny/small: the embedding has the tokenizer's rows

@@ -15,11 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcommon import tiny_model
 from rlcommon.config import ModelConfig, TaskConfig
-from rlcommon.models import resolve_model
+from rlcommon.models import builder, presets, resolve_model, warm_start
+from rlcommon.models.tokenizer import CHARS, EOS_TOKEN, CharTokenizer, Qwen3CharTokenizer, load_tokenizer
 from rlcommon.tasks import TaskSource
-from rlcommon.tokenizer import CHARS, EOS_TOKEN, CharTokenizer, Qwen3CharTokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 FEW_STEPS = 4
@@ -53,7 +52,7 @@ def test_char_tokenizer_ids():
 def test_saved_tokenizer_loads_without_torch(tmp_path):
     CharTokenizer().save(tmp_path)
     code = (
-        "import sys; from rlcommon.tokenizer import load_tokenizer; import rlcommon.tiny_model; "
+        "import sys; from rlcommon.models.tokenizer import load_tokenizer; import rlcommon.models.builder; "
         f"t = load_tokenizer({str(tmp_path)!r}); "
         "assert t.decode(t.encode('12+7= ab')) == '12+7= ab'; "
         "assert (t.eos_token_id, t.pad_token_id, t.bos_token_id, t.vocab_size) == (2, 0, 1, 64); "
@@ -95,7 +94,7 @@ def test_hub_configs_are_qwen3(config, hidden, intermediate, non_embedding_billi
     import torch
     from transformers import AutoModelForCausalLM
 
-    data = tiny_model.hub_config(config)
+    data = presets.hub_config(config)
     assert data == {
         "architectures": ["Qwen3ForCausalLM"],
         "attention_bias": False,
@@ -125,39 +124,39 @@ def test_hub_configs_are_qwen3(config, hidden, intermediate, non_embedding_billi
         "vocab_size": 151936,
     }
     with torch.device("meta"):  # sizes only, no memory
-        model = AutoModelForCausalLM.from_config(tiny_model.preset_config(config))
+        model = AutoModelForCausalLM.from_config(presets.preset_config(config))
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     non_embedding = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     assert non_embedding / 1e9 == pytest.approx(non_embedding_billions, abs=0.005)
 
 
 def test_real_shape_presets_change_only_the_number_of_layers():
-    for name, spec in tiny_model.PRESETS.items():
-        if not isinstance(spec, tiny_model.RealShape):
+    for name, spec in presets.PRESETS.items():
+        if not isinstance(spec, presets.RealShape):
             continue
-        config = tiny_model.preset_config_json(name)
-        hub = tiny_model.hub_config(spec.config)
+        config = presets.preset_config_json(name)
+        hub = presets.hub_config(spec.config)
         assert config == hub | {"num_hidden_layers": spec.num_layers or hub["num_hidden_layers"]}, name
-        assert isinstance(tiny_model.preset_tokenizer(name), Qwen3CharTokenizer)
-    assert tiny_model.preset_config_json("qwen3-0.6b-L2")["num_hidden_layers"] == 2
-    assert tiny_model.preset_config_json("qwen3-0.6b")["num_hidden_layers"] == 28
-    assert isinstance(tiny_model.preset_tokenizer("tiny"), CharTokenizer)
+        assert isinstance(presets.preset_tokenizer(name), Qwen3CharTokenizer)
+    assert presets.preset_config_json("qwen3-0.6b-L2")["num_hidden_layers"] == 2
+    assert presets.preset_config_json("qwen3-0.6b")["num_hidden_layers"] == 28
+    assert isinstance(presets.preset_tokenizer("tiny"), CharTokenizer)
     with pytest.raises(ValueError, match="not a real-shape preset"):
-        tiny_model.preset_config_json("tiny")
+        presets.preset_config_json("tiny")
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
-        tiny_model.preset_tokenizer("huge")
+        presets.preset_tokenizer("huge")
 
 
 def test_real_shape_cache_key_ignores_the_task_and_warm_start():
-    one = tiny_model._settings(
+    one = builder._settings(
         "qwen3-0.6b-L2", task_cfg=TaskConfig(), seed=0, warm_start_steps=300, target_reward=0.3
     )
-    other = tiny_model._settings(
+    other = builder._settings(
         "qwen3-0.6b-L2", task_cfg=TaskConfig(difficulty=3), seed=0, warm_start_steps=0, target_reward=0.5
     )
     assert one == other and one["config"]["num_hidden_layers"] == 2
-    assert tiny_model._settings("qwen3-0.6b-L2", task_cfg=TaskConfig(), seed=1, warm_start_steps=0,
-                                target_reward=0.3) != one
+    assert builder._settings("qwen3-0.6b-L2", task_cfg=TaskConfig(), seed=1, warm_start_steps=0,
+                             target_reward=0.3) != one
 
 
 @pytest.fixture(scope="module")
@@ -211,18 +210,18 @@ def test_cache_key_settings_follow_the_jsonl_content(tmp_path):
     data.write_text('{"question": "q", "answer": "1"}\n')
     cfg = TaskConfig(kind="jsonl", path=str(data))
     kwargs = {"task_cfg": cfg, "seed": 0, "warm_start_steps": 1, "target_reward": 0.3}
-    before = tiny_model._settings("tiny", **kwargs)
+    before = builder._settings("tiny", **kwargs)
     data.write_text('{"question": "q", "answer": "2"}\n')
-    assert tiny_model._settings("tiny", **kwargs) != before
+    assert builder._settings("tiny", **kwargs) != before
 
 
 def test_build_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
-        tiny_model.build_tiny_model(
+        builder.build_tiny_model(
             "huge", task_cfg=TaskConfig(), seed=0, cache_dir=tmp_path, warm_start_steps=1
         )
     with pytest.raises(ValueError, match="warm_start_steps must be >= 0"):
-        tiny_model.build_tiny_model(
+        builder.build_tiny_model(
             "tiny", task_cfg=TaskConfig(), seed=0, cache_dir=tmp_path, warm_start_steps=-1
         )
 
@@ -233,7 +232,7 @@ def test_build_rejects_bad_arguments(tmp_path):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("models")
-    return tiny_model.build_tiny_model(
+    return builder.build_tiny_model(
         "tiny", task_cfg=TaskConfig(), seed=0, cache_dir=cache, warm_start_steps=FEW_STEPS
     )
 
@@ -263,9 +262,9 @@ def test_cache_hit_is_instant_and_does_not_rebuild(built, monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("rebuilt a cached model")
 
-    monkeypatch.setattr(tiny_model, "_build_into", no_build)
+    monkeypatch.setattr(builder, "_build_into", no_build)  # where build_tiny_model looks it up
     start = time.perf_counter()
-    again = tiny_model.build_tiny_model(
+    again = builder.build_tiny_model(
         "tiny", task_cfg=TaskConfig(), seed=0, cache_dir=built.parent, warm_start_steps=FEW_STEPS
     )
     assert again == built
@@ -278,10 +277,10 @@ def test_cache_hit_is_instant_and_does_not_rebuild(built, monkeypatch):
 def test_same_seed_same_weights_other_seed_differs(built, tmp_path):
     from safetensors.torch import load_file
 
-    same = tiny_model.build_tiny_model(
+    same = builder.build_tiny_model(
         "tiny", task_cfg=TaskConfig(), seed=0, cache_dir=tmp_path, warm_start_steps=FEW_STEPS
     )
-    other = tiny_model.build_tiny_model(
+    other = builder.build_tiny_model(
         "tiny", task_cfg=TaskConfig(), seed=1, cache_dir=tmp_path, warm_start_steps=0
     )
     assert same.name == built.name and other.name != same.name
@@ -313,12 +312,12 @@ def test_measure_reward(built):
 
     model = AutoModelForCausalLM.from_pretrained(built)
     problems = TaskSource(TaskConfig(eval_size=4)).eval_set()
-    value = tiny_model.measure_reward(
+    value = warm_start.measure_reward(
         model, load_tokenizer(built), problems, samples_per_problem=2, max_new_tokens=4
     )
     assert 0.0 <= value <= 1.0
     with pytest.raises(ValueError, match="samples_per_problem"):
-        tiny_model.measure_reward(
+        warm_start.measure_reward(
             model, load_tokenizer(built), problems, samples_per_problem=0, max_new_tokens=4
         )
 
@@ -328,11 +327,11 @@ def test_calibration_brings_expected_reward_to_target(built):
 
     model = AutoModelForCausalLM.from_pretrained(built)
     tokenizer = load_tokenizer(built)
-    probe = tiny_model._teacher_batch(tokenizer, TaskSource(TaskConfig(eval_size=32)).eval_set())
-    target = tiny_model._expected_reward(model, probe) / 2
-    scale = tiny_model._calibrate_head(model, probe, target_reward=target)
+    probe = warm_start._teacher_batch(tokenizer, TaskSource(TaskConfig(eval_size=32)).eval_set())
+    target = warm_start._expected_reward(model, probe) / 2
+    scale = warm_start._calibrate_head(model, probe, target_reward=target)
     assert 0 < scale < 1
-    assert tiny_model._expected_reward(model, probe) == pytest.approx(target, rel=1e-3)
+    assert warm_start._expected_reward(model, probe) == pytest.approx(target, rel=1e-3)
 
 
 def test_cli_prints_the_folder(built, tmp_path, capsys):
@@ -347,7 +346,7 @@ def test_cli_prints_the_folder(built, tmp_path, capsys):
         "--out",
         str(out),
     ]
-    assert tiny_model.main(argv) == 0
+    assert builder.main(argv) == 0
     assert capsys.readouterr().out.strip() == str(out.resolve())
     assert (out / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
 
@@ -359,10 +358,10 @@ def test_default_build_starts_rl_with_signal_but_unsaturated():
     folder = resolve_model(ModelConfig(cache_dir=str(REPO / ".cache" / "models")), TaskConfig())
     report = json.loads((folder / "warm_start.json").read_text())
     assert report["sharp_expected_reward"] >= 0.9
-    assert report["probe_expected_reward"] == pytest.approx(tiny_model.TARGET_REWARD, abs=0.01)
+    assert report["probe_expected_reward"] == pytest.approx(presets.TARGET_REWARD, abs=0.01)
     model = AutoModelForCausalLM.from_pretrained(folder)
     problems = TaskSource(TaskConfig()).eval_set()
-    value = tiny_model.measure_reward(
+    value = warm_start.measure_reward(
         model, load_tokenizer(folder), problems, samples_per_problem=8, max_new_tokens=8, seed=123
     )
     assert 0.15 <= value <= 0.45
