@@ -35,7 +35,7 @@ SERVICE_USERS = ("coordinator", "trainer", "sampler")
 # Every user: no command unless listed, no channels. No Lua (EVAL, EVALSHA, SCRIPT, FUNCTION, FCALL): a script
 # that loops makes Redis busy for every client, and no user may SCRIPT KILL; the bus uses plain commands.
 _BASE = ("resetchannels", "-@all")
-# rlcommon/bus.py's consistent reads (`_snapshot`, `ensure_group`): WATCH the stream and its counters, then a
+# rlcommon/bus/groups.py's consistent reads (`_snapshot`, `ensure_group`): WATCH the stream and its counters, then a
 # MULTI/EXEC that fails if either changed (redis-py sends UNWATCH when it gives a WATCH up).
 _WATCH = ("+watch", "+unwatch", "+multi", "+exec")
 # A StreamConsumer's reads and acked counters: XREADGROUP (read), XPENDING (own pending, idle entries to
