@@ -3,6 +3,7 @@
 - a service (`coordinator`, `sampler_svc`, `trainer_svc`) imports only itself, the shared package
   `rlcommon` and `protos`, never another service;
 - `rlcommon` imports only itself and `protos`; `protos` imports nothing of the repository;
+- inside `rlcommon`, the rooms (`config/`, `bus/`, `models/`) import only what they stand on (`ROOMS`);
 - no import circle among the repository's modules (every import counts: module level, inside functions and
   under TYPE_CHECKING).
 """
@@ -103,6 +104,35 @@ def test_no_import_circle():
         if module not in state:
             visit(module)
     assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+ROOMS = {
+    "rlcommon.config": set(),
+    "rlcommon.bus": {"rlcommon.config", "rlcommon.streams", "rlcommon.wire"},
+    "rlcommon.models": {"rlcommon.config", "rlcommon.tasks", "rlcommon.rewards"},
+}
+"""The platform's rooms and the only other modules each may import: the config at the bottom (it imports nothing
+of the repository), the bus on the wire format and the stream names, the models on the task and its rewards."""
+
+
+def _in(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_each_room_of_the_platform_imports_only_what_it_stands_on(room):
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items() if _in(module, room)
+        for target in targets if not _in(target, room) and target not in ROOMS[room]
+    )
+    assert not wrong, f"{room} may import only itself and {sorted(ROOMS[room])}:\n" + "\n".join(wrong)
+
+
+def test_the_rooms_are_packages_the_walk_sees():
+    """A room split into modules is seen module by module (a pass above means something)."""
+    assert {"rlcommon.bus.consumer", "rlcommon.config.loading", "rlcommon.models.builder"} <= set(GRAPH)
+    assert "rlcommon.config.base" in GRAPH["rlcommon.config.sampler"]
 
 
 PROTO_SPEAKERS = {"rlcommon.coordinator_api", "rlcommon.rpc"}
