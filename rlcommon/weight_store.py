@@ -11,6 +11,10 @@ and the served model's architecture. A sampler takes an announced path only thro
 of manifest.json identifies the whole version (it covers every file's hash): it is what a WeightUpdate
 carries. torch and transformers are needed only by `publish_version`.
 
+With `trainer.anchor_every > 0` a publish also writes the deltas from the version before it and a copy of the
+manifest into `<publish_dir>/deltas/` (rlcommon/weight_chain.py: the manifest's `anchor` and `delta` keys), for
+samplers that fetch over HTTP (trainer_svc/weight_server.py, sampler_svc/weight_fetch.py).
+
 Published versions are deleted by the trainer (which owns the folder: `trainer_svc/retention.py` says which):
 `delete_version` renames a folder to a `.tmp-` name before removing it, so a reader sees a whole version or
 none, and `sweep_partial` removes the `.tmp-` folders a publish or a delete cut short by a crash left behind.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,8 +33,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcommon.weight_chain import (
+    DELTAS_DIR,
+    delta_entry,
+    delta_file_name,
+    manifest_copy_name,
+    safetensors_planes,
+)
+from rlcommon.weight_delta import DeltaError, encode_delta
+
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "ARCHITECTURE_KEYS",
+    "DELTAS_DIR",
     "MANIFEST_NAME",
     "PublishedVersion",
     "WeightsError",
@@ -39,6 +56,7 @@ __all__ = [
     "latest_version",
     "load_version",
     "manifest_sha256",
+    "newest_anchor",
     "publish_version",
     "published_versions",
     "resolve_announced_version",
@@ -108,12 +126,15 @@ def publish_version(
     step: int,
     source_dir: str | os.PathLike[str] | None = None,
     state_dict: dict[str, Any] | None = None,
+    anchor_every: int = 0,
 ) -> PublishedVersion:
     """Write the weights of `model` (a transformers PreTrainedModel) as version `weight_version`, atomically.
 
     Tokenizer and other non-weight files are copied from `source_dir` (the model folder the run started
     from). `state_dict`: the whole tensors to write instead of the model's own (a sharded trainer gathers
-    them on one rank). Raises WeightsError if the version already exists.
+    them on one rank). `anchor_every > 0`: also write the deltas from the newest version before this one and
+    a copy of the manifest into `deltas/` (rlcommon/weight_chain.py). Raises WeightsError if the version
+    already exists.
     """
     if weight_version < 0:
         raise ValueError(f"weight_version must be >= 0, got {weight_version}")
@@ -130,8 +151,14 @@ def publish_version(
                 if source.is_file() and source.name not in _WRITTEN_BY_MODEL and not _NOT_COPIED.search(source.name):
                     shutil.copyfile(source, tmp / source.name)
         files = {p.name: _sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        manifest = {"weight_version": weight_version, "step": step, "files": files}
+        manifest: dict[str, Any] = {"weight_version": weight_version, "step": step, "files": files,
+                                    "sizes": {name: (tmp / name).stat().st_size for name in files}}
+        if anchor_every > 0:
+            manifest.update(_write_deltas(tmp, publish_root, weight_version, anchor_every))
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if anchor_every > 0:
+            _write_atomically(publish_root / DELTAS_DIR / manifest_copy_name(weight_version),
+                              (tmp / MANIFEST_NAME).read_bytes())
         for path in tmp.iterdir():
             _fsync(path)
         os.chmod(tmp, 0o755)  # mkdtemp creates 0o700; samplers may run as another user
@@ -143,6 +170,52 @@ def publish_version(
     return PublishedVersion(
         weight_version=weight_version, step=step, path=str(final), sha256=manifest_sha256(final)
     )
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _write_deltas(folder: Path, publish_root: Path, weight_version: int, anchor_every: int) -> dict[str, Any]:
+    """The deltas of the weight files in `folder` (version `weight_version`, being written) from the newest
+    version before it, written into `publish_root/deltas/`; returns the manifest's chain keys."""
+    deltas_dir = publish_root / DELTAS_DIR
+    deltas_dir.mkdir(exist_ok=True)
+    earlier = [v for v in published_versions(publish_root) if v < weight_version]
+    base_version = earlier[-1] if earlier else None
+    base_manifest, base_sha, deltas, planes = None, None, {}, 1
+    if base_version is not None:
+        base_folder = version_folder(publish_root, base_version)
+        try:
+            base_manifest = json.loads((base_folder / MANIFEST_NAME).read_text())
+            base_sha = manifest_sha256(base_folder)
+        except (OSError, ValueError):
+            base_manifest = None
+    if base_manifest is not None:
+        for new in sorted(folder.glob("*.safetensors")):
+            old = version_folder(publish_root, base_version) / new.name
+            if new.name not in base_manifest.get("files", {}) or not old.is_file() or \
+                    old.stat().st_size != new.stat().st_size:
+                continue
+            planes = safetensors_planes(new)
+            target = deltas_dir / delta_file_name(weight_version, new.name)
+            tmp = target.with_name(f"{TMP_PREFIX}{target.name}")
+            try:
+                sizes = encode_delta(old, new, tmp, planes=planes)
+            except (DeltaError, OSError) as err:  # no delta: this version becomes an anchor
+                tmp.unlink(missing_ok=True)
+                logger.warning("no delta for %s of version %d: %s", new.name, weight_version, err)
+                continue
+            os.replace(tmp, target)
+            deltas[new.name] = {"name": target.name, "sha256": _sha256_file(target), "bytes": sizes.delta_bytes}
+    return delta_entry(weight_version, base_version=base_version if base_manifest is not None else None,
+                       base_manifest=base_manifest, base_manifest_sha256=base_sha, anchor_every=anchor_every,
+                       deltas=deltas, planes=planes)
 
 
 def _save_model(model: Any, folder: Path, *, state_dict: dict[str, Any] | None = None) -> None:
@@ -222,6 +295,18 @@ def latest_version(publish_dir: str | os.PathLike[str]) -> int | None:
     return max(versions, default=None)
 
 
+def newest_anchor(publish_dir: str | os.PathLike[str]) -> int | None:
+    """The anchor of the newest version's chain (its manifest's `anchor`), or None (no version, or no deltas)."""
+    newest = latest_version(publish_dir)
+    if newest is None:
+        return None
+    try:
+        anchor = json.loads((version_folder(publish_dir, newest) / MANIFEST_NAME).read_text()).get("anchor")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return anchor if isinstance(anchor, int) and not isinstance(anchor, bool) else None
+
+
 def published_versions(publish_dir: str | os.PathLike[str]) -> list[int]:
     """The versions that have a `vNNNNNN` folder in `publish_dir` (verified or not), ascending."""
     root = Path(publish_dir)
@@ -254,7 +339,8 @@ def sweep_partial(publish_dir: str | os.PathLike[str]) -> list[str]:
     if not root.is_dir():
         return []
     removed = []
-    for entry in sorted(root.iterdir()):
+    deltas = root / DELTAS_DIR
+    for entry in sorted([*root.iterdir(), *(deltas.iterdir() if deltas.is_dir() else ())]):
         if not entry.name.startswith(TMP_PREFIX):
             continue
         if entry.is_dir() and not entry.is_symlink():

@@ -16,6 +16,7 @@ verified, not rewritten), and metrics.jsonl is cut back to the checkpoint's step
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -41,11 +42,13 @@ from rlcommon.step_stats import ESS_LAG, REWARD_MEAN
 from rlcommon.streams import DATA_FIELD, ROLLOUTS, ROLLOUTS_GROUP, TOKENS, stream_key
 from rlcommon.token_stats import encode_token_stats
 from rlcommon.trackers import open_trackers
+from rlcommon.weight_chain import prune_deltas
 from rlcommon.weight_store import (
     PublishedVersion,
     WeightsError,
     delete_version,
     manifest_sha256,
+    newest_anchor,
     publish_version,
     published_versions,
     sweep_partial,
@@ -448,7 +451,7 @@ class TrainerService:
             whole = self.ranks.do("whole_weights")  # a sharded model's tensors gathered here (None otherwise)
             published = publish_version(
                 self.train_step.model, publish_dir=self.cfg.publish_dir, weight_version=weight_version,
-                step=step, source_dir=self.model_dir, state_dict=whole,
+                step=step, source_dir=self.model_dir, state_dict=whole, anchor_every=self.cfg.trainer.anchor_every,
             )
             del whole
         self.ranks.do("keep", weight_version=weight_version)
@@ -468,11 +471,17 @@ class TrainerService:
         pinned = set(self.train_step.snapshots.versions)
         if status.sync_in_progress is not None:
             pinned.add(status.sync_in_progress)
+        anchor = newest_anchor(self.cfg.publish_dir)
+        if anchor is not None:  # a sampler that joins starts from it (rlcommon/weight_chain.py)
+            pinned.add(anchor)
         keep = self.cfg.trainer.keep_versions
         doomed = versions_to_delete(
             published_versions(self.cfg.publish_dir), pinned=pinned,
             keep_from=min([*serving, self.train_step.weight_version + 1]), latest=keep.latest, every=keep.every,
         )
+        if anchor is not None:
+            with contextlib.suppress(OSError):  # a full or read-only disk: tried again after the next publish
+                prune_deltas(self.cfg.publish_dir, keep_from=min([*serving, anchor]))
         deleted = []
         for version in doomed:
             try:

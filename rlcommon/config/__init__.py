@@ -17,6 +17,7 @@ One module per section; every name below is importable from `rlcommon.config` it
   `SyncPolicy`, `SYNC_POLICIES`
 - `placement`: `PlacementConfig` (`placement.*`)
 - `tracking`: `TrackingConfig` (`tracking.*`), `TrackerName`
+- `weight_server`: `WeightServerConfig` (`weight_server.*`)
 - `run`: `RunConfig` (every section, and the checks across sections)
 - `loading`: `load_config`, `build_config`, `parse_overrides`, `env_overrides`, `ENV_PREFIX`, `dump_toml`
 """
@@ -47,6 +48,7 @@ from rlcommon.config.trainer import (
     ParallelConfig,
     TrainerConfig,
 )
+from rlcommon.config.weight_server import WeightServerConfig
 from rlcommon.config.wire_limits import WireLimits, derived_max_message_bytes
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "PlacementConfig",
     "TrackerName",
     "TrackingConfig",
+    "WeightServerConfig",
     "RunConfig",
     "ENV_PREFIX",
     "build_config",

@@ -14,6 +14,7 @@ from rlcommon.config.placement import PlacementConfig
 from rlcommon.config.sampler import SamplerConfig, SamplingConfig
 from rlcommon.config.tracking import TrackingConfig
 from rlcommon.config.trainer import TrainerConfig
+from rlcommon.config.weight_server import WeightServerConfig
 from rlcommon.config.wire_limits import WireLimits
 
 __all__ = ["RunConfig"]
@@ -40,6 +41,7 @@ class RunConfig(StrictModel):
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    weight_server: WeightServerConfig = Field(default_factory=WeightServerConfig)
 
     @model_validator(mode="after")
     def _queue_fits_what_the_trainer_holds(self) -> RunConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlcommon.config.base import StrictModel
 
@@ -65,8 +65,26 @@ class SamplerConfig(StrictModel):
     """Host the Prometheus port binds (compose: 0.0.0.0 inside the container, for Prometheus on its network)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Heartbeat interval to the coordinator."""
+    weight_transfer: Literal["path", "http"] = "path"
+    """How this sampler gets each published version. `path`: it mounts the trainer's publish folder (shared
+    storage; `weights_dir` names it when mounted elsewhere). `http`: it pulls the version from the weight server
+    beside the trainer (`weights_url`, `python -m trainer_svc.weight_server`) into its own `weights_dir`,
+    replaying compressed deltas from the versions it has when the trainer wrote them (`trainer.anchor_every`),
+    verifies every file against the manifest's sha256, and only then pauses generation to load it
+    (sampler_svc/weight_fetch.py). No shared filesystem is needed."""
+    weights_url: str | None = None
+    """`weight_transfer = "http"`: the weight server's base URL (`http://trainer-host:8091`; `https://` when the
+    coordinator's TLS is on, checked against `coordinator.tls_ca`). It takes the coordinator's token."""
+    fetch_timeout_s: float = Field(30.0, gt=0)
+    """`weight_transfer = "http"`: the longest wait for the server to connect or to send the next bytes; a
+    download cut short is resumed where it stopped (HTTP range requests), up to `fetch_resumes` times per file."""
+    fetch_resumes: int = Field(3, ge=0)
+    """How many times one file's download is resumed after a broken connection before the fetch fails (the
+    sampler then keeps its version and tries again after `reload_retry_s`)."""
     weights_dir: str | None = None
-    """Where this sampler finds the published versions when it mounts the trainer's publish folder under another
+    """`weight_transfer = "http"`: the sampler's own folder for the versions it fetched (default
+    `<run_dir>/fetched/<sampler_id>`; emptied at start, holding the served version and the one being fetched).
+    `path`: where this sampler finds the published versions when it mounts the trainer's publish folder under another
     path (another node): a weight update's folder is looked up by its name (v000123) here. None: the path the
     update names, which must then be inside `<run_dir>/weights`. Either way the sampler loads only a `vNNNNNN`
     folder directly inside this root, every link resolved (rlcommon/weight_store.py resolve_announced_version)."""
@@ -76,3 +94,13 @@ class SamplerConfig(StrictModel):
     and the coordinator reports it unhealthy."""
     reload_retry_max_s: float = Field(30.0, gt=0)
     """Longest wait between two tries of a weight load that keeps failing."""
+
+    @model_validator(mode="after")
+    def _http_needs_a_server(self) -> SamplerConfig:
+        if self.weight_transfer == "http" and not self.weights_url:
+            raise ValueError("sampler.weight_transfer = 'http' needs sampler.weights_url, the weight server's base URL "
+                             "(http://<trainer-host>:<weight_server.port>)")
+        if self.weights_url is not None and not self.weights_url.startswith(("http://", "https://")):
+            raise ValueError(f"sampler.weights_url {self.weights_url!r} is not an http:// or https:// URL")
+        return self
+

@@ -122,6 +122,11 @@ class TrainerConfig(StrictModel):
     """Constants of the corrections."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """How the trainer is split over processes."""
+    anchor_every: int = Field(10, ge=0)
+    """Weight deltas for samplers that fetch over HTTP: each published version after the first also gets a
+    zstd-compressed XOR delta from the version before it (`<run_dir>/weights/deltas/`), and every
+    `anchor_every`-th version is an anchor that a late joiner starts from (rlcommon/weight_delta.py). 1: every
+    version an anchor (still with a delta from the one before); 0: no deltas at all."""
     keep_versions: KeepVersionsConfig = Field(default_factory=KeepVersionsConfig)
     """Published weight versions kept on disk besides those the run needs."""
     unhealthy_sampler_grace_s: float = Field(120.0, ge=0)
