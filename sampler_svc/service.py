@@ -38,6 +38,7 @@ from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, SamplerEngine
 from sampler_svc.outbox import Outbox
 from sampler_svc.rollouts import generate_rollouts
+from sampler_svc.weight_fetch import WeightFetcher
 
 logger = logging.getLogger("sampler")
 
@@ -70,12 +71,23 @@ class SamplerService:
         self.may_take_tasks = asyncio.Event()
         """Clear while a failed load leaves this sampler on a version older than the published one."""
         self.may_take_tasks.set()
+        self.fetcher: WeightFetcher | None = None
+        """`sampler.weight_transfer = "http"`: pulls each version into `weights_root()` before it is loaded."""
+        if cfg.sampler.weight_transfer == "http":
+            self.fetcher = WeightFetcher(
+                cfg.sampler.weights_url, self.weights_root(),
+                token=cfg.coordinator.dashboard_token or cfg.coordinator.auth_token, tls_ca=cfg.coordinator.tls_ca,
+                tls_server_name=cfg.coordinator.tls_server_name, timeout_s=cfg.sampler.fetch_timeout_s,
+                resumes=cfg.sampler.fetch_resumes,
+            )
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> SamplerService:
         cfg = self.cfg
         self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
+        if self.fetcher is not None:
+            await asyncio.to_thread(self.fetcher.start_fresh)
         self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling,
                                           max_sequences=self.capacity * cfg.coordinator.group_size,
                                           cpu_engine_start=cfg.sampler.cpu_engine_start).start()
@@ -113,6 +125,8 @@ class SamplerService:
             timeline(logger, "vLLM engine stopped")
         if self.coordinator is not None:
             await self.coordinator.close()
+        if self.fetcher is not None:
+            await self.fetcher.close()
         if self.conn is not None:
             self.conn.close()
         timeline(logger, "sampler stopped: connections closed")
@@ -259,26 +273,38 @@ class SamplerService:
 
     def weights_root(self) -> Path:
         """The only folder this sampler loads versions from: `sampler.weights_dir`, else the run's publish folder
-        (`<run_dir>/weights`, where the trainer publishes)."""
-        return Path(self.cfg.sampler.weights_dir) if self.cfg.sampler.weights_dir is not None else self.cfg.publish_dir
+        (`<run_dir>/weights`, where the trainer publishes) or, fetching over HTTP, `<run_dir>/fetched/<id>`."""
+        if self.cfg.sampler.weights_dir is not None:
+            return Path(self.cfg.sampler.weights_dir)
+        if self.cfg.sampler.weight_transfer == "http":
+            return Path(self.cfg.run_dir) / "fetched" / self.sampler_id
+        return self.cfg.publish_dir
 
     def version_path(self, update: WeightUpdate) -> Path:
         """The update's version folder as this sampler sees it, resolved; WeightsError unless it is the update's
         `v{version:06d}` directly inside `weights_root()` (with `sampler.weights_dir` set, looked up there by name)."""
         announced = Path(update.path)
-        if self.cfg.sampler.weights_dir is not None:
-            announced = Path(self.cfg.sampler.weights_dir) / announced.name
+        if self.cfg.sampler.weights_dir is not None or self.fetcher is not None:
+            announced = self.weights_root() / announced.name
         return resolve_announced_version(self.weights_root(), announced, update.weight_version)
 
     async def apply_update(self, update: WeightUpdate) -> bool:
         """Load `update` into the engine and ack it (with the error when the load failed); True once loaded."""
         started = time.perf_counter()
         try:
+            if self.fetcher is not None:  # fetched and verified whole before the engine pauses
+                report = await self.fetcher.fetch(update.weight_version, update.sha256,
+                                                  local_version=self.engine.weight_version)
+                logger.info("fetched weight version %d: %s", update.weight_version, report.summary())
+                self.metrics.gauge("weights_fetched_bytes", report.bytes_fetched)
+                self.metrics.gauge("weights_fetch_s", report.fetch_s + report.verify_s + report.rebuild_s)
             await self.engine.reload_weights(
                 self.version_path(update), weight_version=update.weight_version, expected_sha256=update.sha256
             )
             self.load_error = ""
             logger.info("now serving weight version %d (%s)", update.weight_version, update.reason)
+            if self.fetcher is not None:
+                await asyncio.to_thread(self.fetcher.forget_older, self.engine.weight_version)
         except WeightsError as err:
             self.load_error = str(err)
             logger.error("refused weight version %d: %s (still serving %d)",

@@ -1,0 +1,238 @@
+"""The weight channel over HTTP for real: `python -m trainer_svc.weight_server` as its own process on a socket,
+versions published by publish_version on a real model, the sampler's WeightFetcher pulling them into another
+folder (no shared files): deltas replayed from an anchor, a download broken off and resumed, a corrupt delta
+refused with the served version kept, tokens and paths refused."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from rlcommon.weight_chain import DELTAS_DIR, FetchPlan, delta_file_name, manifest_copy_name
+from rlcommon.weight_store import MANIFEST_NAME, WeightsError, load_version, publish_version, version_folder
+from sampler_svc.weight_fetch import WeightFetcher
+from tests.unit.trainer_helpers import tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "weights-token-for-tests"
+READ_TOKEN = "read-only-token-for-tests"
+
+pytestmark = pytest.mark.integration
+
+
+class Published:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.model = tiny_model(tied=False)
+        self.sha: dict[int, str] = {}
+
+    def publish(self, version: int) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(1e-4 * torch.randn_like(p))
+        self.sha[version] = publish_version(self.model, publish_dir=self.root, weight_version=version, step=version,
+                                            anchor_every=3).sha256
+
+
+@pytest.fixture
+def published(tmp_path) -> Published:
+    run = Published(tmp_path / "run" / "weights")
+    for version in range(1, 6):  # anchors 1 and 3
+        run.publish(version)
+    return run
+
+
+@pytest.fixture
+def server(published):
+    """The weight server process over the run's publish folder; yields its base URL."""
+    env = {**os.environ, "DLC_COORDINATOR__AUTH_TOKEN": TOKEN, "DLC_COORDINATOR__DASHBOARD_TOKEN": READ_TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer_svc.weight_server", f"--run_dir={published.root.parent}",
+         "--weight_server.port=0"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            match = re.search(r"serving .* on (http://127\.0\.0\.1:\d+)", line)
+            if match:
+                break
+        else:
+            pytest.fail("the weight server never listened:\n" + "".join(lines))
+        yield match.group(1)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0, "".join(lines) + proc.stderr.read()
+
+
+def fetcher(url: str, root: Path, **kwargs) -> WeightFetcher:
+    return WeightFetcher(url, root, token=kwargs.pop("token", READ_TOKEN), timeout_s=kwargs.pop("timeout_s", 10),
+                         **kwargs)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def fetch(f: WeightFetcher, version: int, sha: str, local: int | None):
+    try:
+        return await f.fetch(version, sha, local_version=local)
+    finally:
+        await f.close()
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+def test_a_late_joiner_replays_deltas_from_the_anchor_then_follows_by_deltas(server, published, tmp_path):
+    local = tmp_path / "sampler"
+    f = fetcher(server, local)
+    f.start_fresh()
+    report = run(fetch(f, 5, published.sha[5], None))
+    assert report.plan == FetchPlan(whole=3, deltas=(4, 5))
+    folder = version_folder(local, 5)
+    assert same_files(folder, version_folder(published.root, 5))
+    assert load_version(folder, expected_sha256=published.sha[5]).weight_version == 5
+    assert sorted(p.name for p in local.iterdir()) == ["v000005"]  # intermediates dropped
+    sizes = {v: (version_folder(published.root, v) / MANIFEST_NAME).stat().st_size for v in (3, 4, 5)}
+    anchor = sum(json.loads((version_folder(published.root, 3) / MANIFEST_NAME).read_text())["sizes"].values())
+    patches = sum((published.root / DELTAS_DIR / delta_file_name(v, "model.safetensors")).stat().st_size
+                  for v in (4, 5))
+    assert report.bytes_fetched == sum(sizes.values()) + anchor + patches  # config and tokenizer files not again
+
+    published.publish(6)  # an anchor (6 % 3 == 0) with its delta from 5
+    report = run(fetch(fetcher(server, local), 6, published.sha[6], 5))
+    assert report.plan == FetchPlan(whole=None, deltas=(6,))
+    patch = published.root / DELTAS_DIR / delta_file_name(6, "model.safetensors")
+    assert report.bytes_fetched == patch.stat().st_size + (version_folder(published.root, 6) / MANIFEST_NAME).stat().st_size
+    assert same_files(version_folder(local, 6), version_folder(published.root, 6))
+    f.forget_older(6)
+    assert sorted(p.name for p in local.iterdir()) == ["v000006"]
+
+
+class CuttingProxy:
+    """A TCP proxy to the server that closes the first connection carrying a big answer after `cut` bytes."""
+
+    def __init__(self, target: str, cut: int) -> None:
+        self.host, port = target.removeprefix("http://").split(":")
+        self.port, self.cut, self.cuts = int(port), cut, 0
+
+    async def handle(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+
+        async def pipe(src, dst, limit=None):
+            sent = 0
+            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                while data := await src.read(65536):
+                    if limit is not None and sent + len(data) > limit:
+                        dst.write(data[: limit - sent])
+                        await dst.drain()
+                        self.cuts += 1
+                        break
+                    dst.write(data)
+                    await dst.drain()
+                    sent += len(data)
+            dst.close()
+
+        limit = self.cut if self.cuts == 0 else None
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer, limit))
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *_):
+        self.server.close()
+
+
+def test_a_download_broken_off_resumes_where_it_stopped(server, published, tmp_path):
+    async def go():
+        async with CuttingProxy(server, cut=40_000) as proxy:  # inside model.safetensors (the anchor whole)
+            f = fetcher(proxy, tmp_path / "sampler")
+            f.start_fresh()
+            return await fetch(f, 3, published.sha[3], None)
+
+    report = run(go())
+    assert report.resumed >= 1
+    assert same_files(version_folder(tmp_path / "sampler", 3), version_folder(published.root, 3))
+
+
+def test_a_corrupt_delta_is_refused_and_the_served_version_kept(server, published, tmp_path):
+    local = tmp_path / "sampler"
+    f = fetcher(server, local)
+    f.start_fresh()
+    run(fetch(f, 4, published.sha[4], None))
+    patch = published.root / DELTAS_DIR / delta_file_name(5, "model.safetensors")
+    data = bytearray(patch.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    patch.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match="sha256 .* is not the manifest's"):
+        run(fetch(fetcher(server, local), 5, published.sha[5], 4))
+    assert sorted(p.name for p in local.iterdir()) == ["v000004"]  # nothing partial, the served version intact
+    assert load_version(version_folder(local, 4), expected_sha256=published.sha[4]).weight_version == 4
+
+
+def test_a_lost_link_falls_back_to_the_announced_version_whole(server, published, tmp_path):
+    (published.root / DELTAS_DIR / manifest_copy_name(4)).unlink()
+    shutil.rmtree(version_folder(published.root, 4))  # the trainer deleted it: its manifest is nowhere
+    f = fetcher(server, tmp_path / "sampler")
+    f.start_fresh()
+    report = run(fetch(f, 5, published.sha[5], None))
+    assert report.plan == FetchPlan(whole=5, deltas=())
+    assert same_files(version_folder(tmp_path / "sampler", 5), version_folder(published.root, 5))
+
+
+def test_the_announced_hash_and_the_token_are_checked(server, published, tmp_path):
+    with pytest.raises(WeightsError, match="does not hash to the announced"):
+        run(fetch(fetcher(server, tmp_path / "a"), 5, "0" * 64, None))
+    with pytest.raises(WeightsError, match="refused the token"):
+        run(fetch(fetcher(server, tmp_path / "b", token="wrong"), 5, published.sha[5], None))
+    with pytest.raises(WeightsError, match="no version 9"):
+        run(fetch(fetcher(server, tmp_path / "c"), 9, "0" * 64, None))
+    assert not any((tmp_path / name).exists() and any((tmp_path / name).iterdir()) for name in "abc")
+
+
+def test_the_server_serves_only_whole_version_files_to_a_token(server, published):
+    (published.root / ".tmp-v000009-x").mkdir()
+    (published.root / ".tmp-v000009-x" / "model.safetensors").write_bytes(b"partial")
+    outside = published.root.parent / "secret.txt"
+    outside.write_text("not a weight")
+    os.symlink(outside, version_folder(published.root, 5) / "link.txt")
+
+    async def go():
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with aiohttp.ClientSession() as session:
+            async def status(path, headers=auth):
+                async with session.get(server + path, headers=headers) as response:
+                    return response.status, await response.read()
+
+            assert await status("/healthz", headers={}) == (200, b"ok")
+            assert (await status("/v1/versions", headers={}))[0] == 401
+            code, body = await status("/v1/versions")
+            assert code == 200 and json.loads(body) == {"versions": [1, 2, 3, 4, 5], "latest": 5}
+            code, body = await status("/v1/weights/v000005/config.json", headers={"Authorization": f"Bearer {READ_TOKEN}"})
+            assert code == 200 and body == (version_folder(published.root, 5) / "config.json").read_bytes()
+            for path in ("/v1/weights/.tmp-v000009-x/model.safetensors", "/v1/weights/v000005/link.txt",
+                         "/v1/weights/v000005/..%2F..%2Fsecret.txt", "/v1/weights/v000005/%2E%2E",
+                         "/v1/deltas/..%2Fv000005%2Fconfig.json", "/v1/weights/v000007/config.json"):
+                assert (await status(path))[0] == 404, path
+            async with session.get(server + "/v1/weights/v000005/model.safetensors",
+                                   headers={**auth, "Range": "bytes=10-19"}) as response:
+                whole = (version_folder(published.root, 5) / "model.safetensors").read_bytes()
+                assert response.status == 206 and await response.read() == whole[10:20]
+
+    run(go())
