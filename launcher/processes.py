@@ -80,13 +80,15 @@ def service_specs(
     redis_urls: dict[str, str] | None = None,
     dashboard_port: int | None = None,
     dashboard_token: str | None = None,
+    weights_port: int | None = None,
 ) -> list[ServiceSpec]:
     """The coordinator, the samplers and the trainer, with the variables docker-compose.yml sets.
 
     redis_urls: each service's own URL by Redis user (`coordinator`, `sampler`, `trainer`: the embedded
     server's `url_for`, rlcommon/redis_acl.py); a service without one gets redis_url. dashboard_port: the
     coordinator's dashboard (None: off); dashboard_token: its read-only token (`dashboard_token_for`), given to
-    the coordinator only."""
+    the coordinator only. weights_port: the weight server's (`sampler.weight_transfer = "http"`; None: no server),
+    which reads the publish folder and holds the tokens, and no Redis URL."""
     common = {
         "DLC_REDIS__URL": redis_url,
         "DLC_RUN_DIR": str(Path(cfg.run_dir).resolve()),
@@ -102,6 +104,14 @@ def service_specs(
                        "DLC_COORDINATOR__DASHBOARD_PORT": "none" if dashboard_port is None else str(dashboard_port),
                        "DLC_COORDINATOR__DASHBOARD_TOKEN": dashboard_token or ""}
     specs = [ServiceSpec("coordinator", "coordinator", config_path, coordinator_env)]
+    sampler_env = {}
+    if weights_port is not None:
+        scheme = "https" if cfg.coordinator.tls_cert else "http"
+        sampler_env["DLC_SAMPLER__WEIGHTS_URL"] = f"{scheme}://127.0.0.1:{weights_port}"
+        specs.append(ServiceSpec("weights", WEIGHT_SERVER, config_path, {
+            "DLC_RUN_DIR": common["DLC_RUN_DIR"], "DLC_WEIGHT_SERVER__HOST": "127.0.0.1",
+            "DLC_WEIGHT_SERVER__PORT": str(weights_port), "DLC_COORDINATOR__AUTH_TOKEN": common["DLC_COORDINATOR__AUTH_TOKEN"],
+            "DLC_COORDINATOR__DASHBOARD_TOKEN": dashboard_token or ""}))
     for index in range(cfg.num_samplers):
         specs.append(
             ServiceSpec(
@@ -111,6 +121,7 @@ def service_specs(
                 {
                     **common,
                     **client,
+                    **sampler_env,
                     "DLC_SAMPLER__SAMPLER_ID": f"sampler-{index}",
                     "DLC_SAMPLER__DTYPE": cfg.sampler.dtype,
                     "DLC_SAMPLER__GPU_MEMORY_UTILIZATION": str(cfg.sampler.gpu_memory_utilization),
@@ -137,7 +148,8 @@ def service_specs(
     )
     redis_user = {"coordinator": "coordinator", "sampler_svc": "sampler", "trainer_svc": "trainer"}
     for spec in specs:
-        spec.env["DLC_REDIS__URL"] = (redis_urls or {}).get(redis_user[spec.module], redis_url)
+        if spec.module in redis_user:
+            spec.env["DLC_REDIS__URL"] = (redis_urls or {}).get(redis_user[spec.module], redis_url)
     return specs
 
 
@@ -197,8 +209,9 @@ class ServiceDied(RuntimeError):
     pass
 
 
+WEIGHT_SERVER = "trainer_svc.weight_server"
 RESTART_POLICY = {"coordinator": "unless-stopped", "sampler_svc": "on-failure", "trainer_svc": "on-failure",
-                  "redis-server": "unless-stopped"}
+                  WEIGHT_SERVER: "unless-stopped", "redis-server": "unless-stopped"}
 """compose's `restart:` of each service's module, and of the embedded redis-server (docker-compose.yml; tests check
 that they agree)."""
 RESTART_BACKOFF_S = 0.5

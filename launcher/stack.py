@@ -78,6 +78,9 @@ class LocalStack:
         """The launcher's own client of the coordinator (health, summary); tests use it too."""
         self.coordinator = Coordinator(self.client)
         """The same client's typed calls (rlcommon/coordinator_api.py)."""
+        self.weights_port = None if cfg.sampler.weight_transfer != "http" else (
+            cfg.weight_server.port if cfg.weight_server.port not in (0, 8091) else free_port())
+        """The weight server's port when the samplers fetch over HTTP (trainer_svc/weight_server.py), else None."""
         self.specs: dict[str, ServiceSpec] = {}
         self.restarts: dict[str, int] = {}
         """Restarts of each service by `restart_exited` (only the services restarted; redis-server as `redis`)."""
@@ -110,7 +113,8 @@ class LocalStack:
             self.timeline("redis-server up")
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
                               model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls,
-                              dashboard_port=self.dashboard_port, dashboard_token=self.dashboard_token)
+                              dashboard_port=self.dashboard_port, dashboard_token=self.dashboard_token,
+                              weights_port=self.weights_port)
         self.specs = {spec.name: spec for spec in specs}
         # Every service starts at once: a sampler's engine (the longest start) need not wait for the coordinator,
         # and the clients wait for it to serve (gRPC wait-for-ready); the consumer groups read from the streams'
@@ -246,6 +250,7 @@ class LocalStack:
         together; the coordinator once the trainer, its last caller, has exited. Each has STOP_TIMEOUT_S before
         it is killed; a stop takes a few seconds whatever state Redis is in (rlcommon/entrypoint.py)."""
         trainer, coordinator = self.processes.pop("trainer", None), self.processes.pop("coordinator", None)
+        weights = self.processes.pop("weights", None)
         samplers = list(self.processes.values())
         self.processes.clear()
         deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -260,6 +265,9 @@ class LocalStack:
         for proc in samplers:
             proc.wait_stopped(deadline)
         self.timeline("samplers stopped")
+        if weights is not None:  # its last clients, the samplers, are gone
+            weights.terminate()
+            weights.wait_stopped(time.monotonic() + STOP_TIMEOUT_S)
         if coordinator is not None:
             coordinator.wait_stopped(coordinator_deadline)
             self.timeline("coordinator stopped")

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
-from rlcommon.config import RunConfig
+from rlcommon.config import ConfigError, RunConfig
 from rlcommon.coordinator_api import AsyncCoordinator, WeightUpdate
 from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
@@ -74,6 +74,9 @@ class SamplerService:
         self.fetcher: WeightFetcher | None = None
         """`sampler.weight_transfer = "http"`: pulls each version into `weights_root()` before it is loaded."""
         if cfg.sampler.weight_transfer == "http":
+            if not cfg.sampler.weights_url:
+                raise ConfigError("sampler.weight_transfer = 'http' needs sampler.weights_url, the weight server's "
+                                  "base URL (http://<trainer-host>:<weight_server.port>, python -m trainer_svc.weight_server)")
             self.fetcher = WeightFetcher(
                 cfg.sampler.weights_url, self.weights_root(),
                 token=cfg.coordinator.dashboard_token or cfg.coordinator.auth_token, tls_ca=cfg.coordinator.tls_ca,

@@ -74,7 +74,8 @@ class SamplerConfig(StrictModel):
     (sampler_svc/weight_fetch.py). No shared filesystem is needed."""
     weights_url: str | None = None
     """`weight_transfer = "http"`: the weight server's base URL (`http://trainer-host:8091`; `https://` when the
-    coordinator's TLS is on, checked against `coordinator.tls_ca`). It takes the coordinator's token."""
+    coordinator's TLS is on, checked against `coordinator.tls_ca`). It takes the coordinator's token. `make run`
+    starts the server and sets it; a sampler with `http` and no URL refuses to start."""
     fetch_timeout_s: float = Field(30.0, gt=0)
     """`weight_transfer = "http"`: the longest wait for the server to connect or to send the next bytes; a
     download cut short is resumed where it stopped (HTTP range requests), up to `fetch_resumes` times per file."""
@@ -96,10 +97,7 @@ class SamplerConfig(StrictModel):
     """Longest wait between two tries of a weight load that keeps failing."""
 
     @model_validator(mode="after")
-    def _http_needs_a_server(self) -> SamplerConfig:
-        if self.weight_transfer == "http" and not self.weights_url:
-            raise ValueError("sampler.weight_transfer = 'http' needs sampler.weights_url, the weight server's base URL "
-                             "(http://<trainer-host>:<weight_server.port>)")
+    def _weights_url_is_http(self) -> SamplerConfig:
         if self.weights_url is not None and not self.weights_url.startswith(("http://", "https://")):
             raise ValueError(f"sampler.weights_url {self.weights_url!r} is not an http:// or https:// URL")
         return self
