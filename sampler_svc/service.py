@@ -88,9 +88,11 @@ class SamplerService:
 
     async def start(self) -> SamplerService:
         cfg = self.cfg
-        self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
-        if self.fetcher is not None:
+        if self.fetcher is not None:  # no shared storage: the starting model comes from the weight server too
             await asyncio.to_thread(self.fetcher.start_fresh)
+            self.model_dir = await self.fetcher.fetch_model()
+        else:
+            self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
         self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling,
                                           max_sequences=self.capacity * cfg.coordinator.group_size,
                                           cpu_engine_start=cfg.sampler.cpu_engine_start).start()

@@ -1,6 +1,7 @@
 """A sampler's weight channel over HTTP(S): each announced version pulled from the weight server into the
 sampler's own folder, whole and verified, before the engine pauses to load it (`sampler.weight_transfer = "http"`).
 
+    fetch_model() -> Path                              the run's starting model, `<weights_dir>/model` (engine start)
     fetch(update, local_version) -> FetchReport     the version folder `<weights_dir>/v000012`, ready to load
 
 1. The announced manifest (`/v1/weights/v000012/manifest.json`) must hash to the update's sha256 (the coordinator
@@ -43,15 +44,21 @@ from rlcommon.weight_chain import FetchPlan, fetch_plan, manifest_copy_name
 from rlcommon.weight_delta import DeltaError, apply_delta
 from rlcommon.weight_store import MANIFEST_NAME, TMP_PREFIX, WeightsError, version_folder
 
-__all__ = ["FetchReport", "WeightFetcher"]
+__all__ = ["FetchReport", "Unreachable", "WeightFetcher"]
 
 logger = logging.getLogger("sampler.weights")
 
 _CHUNK = 1 << 20
+MODEL_DIR = "model"
+"""The starting model's folder inside the fetcher's root (`fetch_model`)."""
 
 
 class _Missing(Exception):
     """The server has no such file (404)."""
+
+
+class Unreachable(WeightsError):
+    """The weight server did not answer (connection refused or timed out)."""
 
 
 @dataclass
@@ -98,11 +105,54 @@ class WeightFetcher:
         self.session: aiohttp.ClientSession | None = None
 
     def start_fresh(self) -> None:
-        """Empty the folder: what an earlier process fetched is not what this engine serves (it starts from the
-        model folder)."""
-        if self.root.exists():
-            shutil.rmtree(self.root)
-        self.root.mkdir(parents=True)
+        """Empty the folder but the starting model: what an earlier process fetched is not what this engine
+        serves (it starts from the model); the model's files are checked against the server's manifest again."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for entry in self.root.iterdir():
+            if entry.name != MODEL_DIR:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+    async def fetch_model(self, *, wait_max_s: float = 10.0) -> Path:
+        """The run's starting model (`/v1/model/`: the weight server's `model.name_or_path`) in `<root>/model`,
+        every file checked against the server's manifest; files already there with the right hash are kept. Waits
+        for a server that does not answer yet (it may start after this sampler), retrying every 0.2 s doubling to
+        `wait_max_s`; WeightsError for anything else."""
+        report = FetchReport(folder=self.root / MODEL_DIR, plan=FetchPlan(None, ()))
+        delay = 0.2
+        while True:
+            try:
+                data = await self._get_bytes(f"/v1/model/{MANIFEST_NAME}", report)
+                break
+            except _Missing:
+                raise WeightsError(f"weight server {self.base_url} serves no starting model") from None
+            except Unreachable as err:
+                logger.info("waiting for the weight server (%s); next try in %.1f s", err, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, wait_max_s)
+        try:
+            files = json.loads(data)["files"]
+        except (ValueError, KeyError, TypeError):
+            raise WeightsError(f"weight server {self.base_url}: malformed model manifest") from None
+        folder = report.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in [p for p in folder.iterdir() if p.name not in files]:
+            stale.unlink()
+        for name, sha in sorted(files.items()):
+            if not isinstance(name, str) or "/" in name or name.startswith("."):
+                raise WeightsError(f"weight server {self.base_url}: bad model file name {name!r}")
+            path = folder / name
+            if path.is_file() and await asyncio.to_thread(_sha256, path) == sha:
+                continue
+            path.unlink(missing_ok=True)
+            try:
+                await self._download(f"/v1/model/{name}", path, report)
+                await self._verified(path, sha, f"model/{name}", report)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+        logger.info("starting model from %s: %d files, %.2f MB fetched", self.base_url, len(files),
+                    report.bytes_fetched / 1e6)
+        return folder
 
     async def close(self) -> None:
         if self.session is not None:
@@ -126,7 +176,9 @@ class WeightFetcher:
                                            server_hostname=self.server_hostname) as response:
                 self._check_status(response, path)
                 data = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as err:
+        except (aiohttp.ClientConnectionError, TimeoutError) as err:
+            raise Unreachable(f"weight server {self.base_url}: GET {path} failed: {err!r}") from None
+        except aiohttp.ClientError as err:
             raise WeightsError(f"weight server {self.base_url}: GET {path} failed: {err!r}") from None
         report.bytes_fetched += len(data)
         report.fetch_s += time.perf_counter() - started
@@ -326,5 +378,5 @@ class WeightFetcher:
             return
         keep = version_folder(self.root, serving).name
         for entry in self.root.iterdir():
-            if entry.name != keep and entry.is_dir():
+            if entry.name not in (keep, MODEL_DIR) and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)

@@ -7,6 +7,9 @@ compose mounts the folder read-only into it) on `weight_server.host:port`:
     GET /v1/versions                    {"versions": [...], "latest": n | null}: the whole published versions
     GET /v1/weights/v000012/<file>      a file of a whole version folder (manifest.json first)
     GET /v1/deltas/<file>               a delta between two versions (rlcommon/weight_delta.py)
+    GET /v1/model/manifest.json         the run's starting model (`model.name_or_path`, resolved here): its files'
+    GET /v1/model/<file>                sha256, hashed at start, and the files: what a sampler on a node without
+                                        the model starts its engine from
 
 Files are answered by aiohttp's `FileResponse`: `Range` requests (a cut download resumes where it stopped),
 `ETag`/`If-Range` (a resume never splices two different files), sendfile. A version folder is served only when
@@ -22,7 +25,9 @@ its FileResponse implements ranges, conditional requests and sendfile, so no HTT
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import json
 import logging
 import re
 import ssl
@@ -60,9 +65,30 @@ def _plain_file_inside(folder: Path, name: str) -> Path:
     return real
 
 
-def make_app(publish_dir: str | Path, *, tokens: list[bytes], max_connections: int = 64) -> web.Application:
-    """The server's routes over `publish_dir`; `tokens`: the bearer tokens that may read (empty: open)."""
+def model_manifest(model_dir: str | Path) -> dict:
+    """The starting model's manifest: every plain file directly in its folder (links followed: a hub snapshot's
+    files are links into its blob store), name -> sha256, and their sizes."""
+    folder = Path(model_dir)
+    files = {p.name: p.resolve() for p in sorted(folder.iterdir()) if _FILE.match(p.name) and p.resolve().is_file()}
+    return {"files": {name: _sha256(path) for name, path in files.items()},
+            "sizes": {name: path.stat().st_size for name, path in files.items()}}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def make_app(publish_dir: str | Path, *, tokens: list[bytes], max_connections: int = 64,
+             model_dir: str | Path | None = None) -> web.Application:
+    """The server's routes over `publish_dir` (and the starting model in `model_dir`); `tokens`: the bearer tokens
+    that may read (empty: open)."""
     root = Path(publish_dir)
+    model = model_manifest(model_dir) if model_dir is not None else None
+    model_json = json.dumps(model, indent=2, sort_keys=True).encode() if model is not None else b""
     turns = asyncio.Semaphore(max_connections)
 
     @web.middleware
@@ -91,7 +117,18 @@ def make_app(publish_dir: str | Path, *, tokens: list[bytes], max_connections: i
     async def deltas(request: web.Request) -> web.FileResponse:
         return web.FileResponse(_plain_file_inside(root / DELTAS_DIR, request.match_info["name"]))
 
+    async def model_files(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if model is None:
+            raise web.HTTPNotFound(text="this weight server serves no starting model")
+        if name == "manifest.json":
+            return web.Response(body=model_json, content_type="application/json")
+        if name not in model["files"]:
+            raise web.HTTPNotFound(text=f"no file {name!r} in the starting model")
+        return web.FileResponse((Path(model_dir) / name).resolve())
+
     app = web.Application(middlewares=[guard])
+    app.router.add_get("/v1/model/{name}", model_files)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/versions", versions)
     app.router.add_get("/v1/weights/{folder}/{name}", weights)
@@ -109,7 +146,11 @@ def ssl_context(cfg: RunConfig) -> ssl.SSLContext | None:
 
 async def serve(cfg: RunConfig, stopping: asyncio.Event, *, on_ready=None) -> None:
     """Serve until `stopping` is set; `on_ready(port)` is called once it listens."""
-    app = make_app(cfg.publish_dir, tokens=_tokens(cfg), max_connections=cfg.weight_server.max_connections)
+    from rlcommon.models import resolve_model
+
+    model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
+    app = await asyncio.to_thread(make_app, cfg.publish_dir, tokens=_tokens(cfg),
+                                  max_connections=cfg.weight_server.max_connections, model_dir=model_dir)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, cfg.weight_server.host, cfg.weight_server.port, ssl_context=ssl_context(cfg))

@@ -56,7 +56,8 @@ def published(tmp_path) -> Published:
 @pytest.fixture
 def server(published):
     """The weight server process over the run's publish folder; yields its base URL."""
-    env = {**os.environ, "DLC_COORDINATOR__AUTH_TOKEN": TOKEN, "DLC_COORDINATOR__DASHBOARD_TOKEN": READ_TOKEN}
+    env = {**os.environ, "DLC_COORDINATOR__AUTH_TOKEN": TOKEN, "DLC_COORDINATOR__DASHBOARD_TOKEN": READ_TOKEN,
+           "DLC_MODEL__CACHE_DIR": str(REPO / ".cache" / "models")}  # the starting model: the tiny preset
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainer_svc.weight_server", f"--run_dir={published.root.parent}",
          "--weight_server.port=0"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True,
@@ -236,3 +237,23 @@ def test_the_server_serves_only_whole_version_files_to_a_token(server, published
                 assert response.status == 206 and await response.read() == whole[10:20]
 
     run(go())
+
+
+def test_a_sampler_without_the_model_starts_from_the_servers(server, tiny_model_dir, tmp_path):
+    """The starting model (model.name_or_path, resolved by the weight server) is served with its hashes: a sampler
+    on a node without it fetches it once; a file that went bad locally is fetched again, the rest kept."""
+    root = tmp_path / "sampler"
+
+    async def go():
+        f = fetcher(server, root)
+        f.start_fresh()
+        try:
+            return await f.fetch_model()
+        finally:
+            await f.close()
+
+    folder = run(go())
+    assert same_files(folder, tiny_model_dir)
+    (folder / "config.json").write_text("{}")
+    (root / "v000003").mkdir()  # an earlier process's fetch: dropped, the model kept
+    assert same_files(run(go()), tiny_model_dir) and sorted(p.name for p in root.iterdir()) == ["model"]
