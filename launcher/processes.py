@@ -107,10 +107,13 @@ def service_specs(
     sampler_env = {}
     if weights_port is not None:
         scheme = "https" if cfg.coordinator.tls_cert else "http"
+        # The read-only token is all the weight server checks and all a sampler sends it: neither can write.
         sampler_env["DLC_SAMPLER__WEIGHTS_URL"] = f"{scheme}://127.0.0.1:{weights_port}"
+        sampler_env["DLC_COORDINATOR__DASHBOARD_TOKEN"] = dashboard_token or ""
         specs.append(ServiceSpec("weights", WEIGHT_SERVER, config_path, {
-            "DLC_RUN_DIR": common["DLC_RUN_DIR"], "DLC_WEIGHT_SERVER__HOST": "127.0.0.1",
-            "DLC_WEIGHT_SERVER__PORT": str(weights_port), "DLC_COORDINATOR__AUTH_TOKEN": common["DLC_COORDINATOR__AUTH_TOKEN"],
+            "DLC_RUN_DIR": common["DLC_RUN_DIR"], "DLC_MODEL__NAME_OR_PATH": model_dir,
+            "DLC_MODEL__CACHE_DIR": common["DLC_MODEL__CACHE_DIR"], "DLC_WEIGHT_SERVER__HOST": "127.0.0.1",
+            "DLC_WEIGHT_SERVER__PORT": str(weights_port), "DLC_COORDINATOR__AUTH_TOKEN": "",
             "DLC_COORDINATOR__DASHBOARD_TOKEN": dashboard_token or ""}))
     for index in range(cfg.num_samplers):
         specs.append(

@@ -5,7 +5,9 @@ default), reads that service's configuration the way the service did (`rlcommon.
 the same `--config` files and overrides, the same `DLC_*` environment), and asks the service itself:
 
 - coordinator: the standard gRPC health service on its port answers SERVING (TLS and token as configured);
-- trainer, sampler: their Prometheus endpoint (`metrics_port`) answers `GET /metrics` with 200.
+- trainer, sampler: their Prometheus endpoint (`metrics_port`) answers `GET /metrics` with 200;
+- weight server: `GET /healthz` on `weight_server.port` answers 200 (HTTPS when the coordinator's TLS is on; the
+  certificate is not checked: it is this container's own server).
 
 Exit 0 healthy; 1 not (one line on stderr says why). A service without a metrics port is healthy while its
 process lives (there is nothing else to ask).
@@ -21,7 +23,7 @@ from pathlib import Path
 from rlcommon.config import ConfigError, RunConfig
 from rlcommon.entrypoint import config_from_args
 
-SERVICES = ("coordinator", "trainer_svc", "sampler_svc")
+SERVICES = ("coordinator", "trainer_svc", "sampler_svc", "trainer_svc.weight_server")
 
 
 def service_of(argv: list[str]) -> tuple[str, list[str]] | None:
@@ -41,6 +43,17 @@ def probe(module: str, cfg: RunConfig, *, timeout_s: float = 3.0) -> str | None:
             cfg.coordinator, address=f"127.0.0.1:{cfg.coordinator.port}", wait_for_ready=False
         ) as client:
             return None if client.serving(timeout_s=timeout_s) else "the coordinator's health service is not SERVING"
+    if module == "trainer_svc.weight_server":
+        import ssl
+
+        scheme = "https" if cfg.coordinator.tls_cert else "http"
+        context = ssl._create_unverified_context() if scheme == "https" else None  # noqa: S323 - its own server
+        url = f"{scheme}://127.0.0.1:{cfg.weight_server.port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s, context=context) as reply:
+                return None if reply.status == 200 else f"{url} answered {reply.status}"
+        except OSError as err:
+            return f"{url}: {err}"
     section = cfg.trainer if module == "trainer_svc" else cfg.sampler
     if section.metrics_port is None:
         return None

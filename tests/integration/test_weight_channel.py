@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,17 @@ def test_a_sampler_without_the_model_starts_from_the_servers(server, tiny_model_
     (folder / "config.json").write_text("{}")
     (root / "v000003").mkdir()  # an earlier process's fetch: dropped, the model kept
     assert same_files(run(go()), tiny_model_dir) and sorted(p.name for p in root.iterdir()) == ["model"]
+
+
+def test_the_images_healthcheck_asks_the_weight_server(server):
+    from rlcommon.config import RunConfig
+    from rlcommon.healthcheck import probe, service_of
+
+    assert service_of(["python", "-m", "trainer_svc.weight_server", "--config", "x.toml"])[0] == \
+        "trainer_svc.weight_server"
+    port = int(server.rsplit(":", 1)[1])
+    assert probe("trainer_svc.weight_server", RunConfig(weight_server={"port": port})) is None
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        problem = probe("trainer_svc.weight_server", RunConfig(weight_server={"port": closed.getsockname()[1]}))
+    assert problem is not None and "/healthz" in problem
