@@ -41,9 +41,17 @@ class ServiceSpec:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports on 127.0.0.1: all bound at once before any is released, so two picks of one
+    stack never get the same port (a dashboard and a redis-server once did, picked one after the other)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def placement_env(cfg: RunConfig, visible: VisibleGpus | None = None) -> dict[str, str]:

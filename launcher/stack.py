@@ -20,7 +20,7 @@ from launcher.processes import (
     ServiceSpec,
     check_alive,
     dashboard_token_for,
-    free_port,
+    free_ports,
     logger,
     restart_delay,
     service_died,
@@ -63,10 +63,12 @@ class LocalStack:
         self.processes: dict[str, ServiceProcess] = {}
         self.redis_server = None
         self.redis_url = cfg.redis.url
-        self.port = cfg.coordinator.port if cfg.coordinator.port not in (0, 50051) else free_port()
+        # Every port this stack picks, picked together (distinct): coordinator, dashboard, weight server, redis.
+        picked = iter(free_ports(4))
+        self.port = cfg.coordinator.port if cfg.coordinator.port not in (0, 50051) else next(picked)
         self.address = f"127.0.0.1:{self.port}"
         configured = cfg.coordinator.dashboard_port
-        self.dashboard_port = configured if configured not in (None, 0) else free_port()
+        self.dashboard_port = configured if configured not in (None, 0) else next(picked)
         """The coordinator's dashboard (coordinator/dashboard.py): always on in a local stack."""
         self.dashboard_token = dashboard_token_for(cfg.coordinator)
         """The dashboard's read-only token: coordinator.dashboard_token, else one made for this run when
@@ -79,7 +81,9 @@ class LocalStack:
         self.coordinator = Coordinator(self.client)
         """The same client's typed calls (rlcommon/coordinator_api.py)."""
         self.weights_port = None if cfg.sampler.weight_transfer != "http" else (
-            cfg.weight_server.port if cfg.weight_server.port not in (0, 8091) else free_port())
+            cfg.weight_server.port if cfg.weight_server.port not in (0, 8091) else next(picked))
+        self.redis_port = next(picked)
+        """The embedded redis-server's port (kept across its restarts)."""
         """The weight server's port when the samplers fetch over HTTP (trainer_svc/weight_server.py), else None."""
         self.specs: dict[str, ServiceSpec] = {}
         self.restarts: dict[str, int] = {}
@@ -104,7 +108,7 @@ class LocalStack:
         write_private(config_path, dump_toml(self.cfg))  # holds the token (and a redis.url's password)
         redis_urls = None
         if self.redis_url is None:  # each service logs in as its own user (rlcommon/redis_acl.py)
-            self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis",
+            self.redis_server = EmbeddedRedis(self.cfg.redis.data_dir or self.run_dir / "redis", self.redis_port,
                                               appendfsync=self.cfg.redis.appendfsync,
                                               users=service_users(self.cfg.bus.run_id), popen=spawn,
                                               start_timeout_s=REDIS_START_TIMEOUT_S).start()

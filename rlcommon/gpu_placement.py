@@ -212,6 +212,9 @@ def place(service: str, placement, environ: dict[str, str] | None = None, dev: s
         raise PlacementError(f"{visible.source} gives no GPU, but placement is on (placement.lock_dir is set) and "
                              f"the {service} needs one; set placement.lock_dir = none for a CPU run")
     if service == "trainer":
+        if not placement.trainer_gpus:
+            raise PlacementError("placement.trainer_gpus is empty (a node of samplers only): the trainer needs at "
+                                 "least one GPU")
         environ.update(cuda_env(trainer_devices(visible, placement.trainer_gpus), visible))
         return None
     claim = claim_gpu(sampler_pool(visible, placement.trainer_gpus, placement.sampler_gpus), placement.lock_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from rlcommon.config.base import StrictModel
 
@@ -31,14 +31,10 @@ class PlacementConfig(StrictModel):
     """Folder shared by a node's sampler replicas where each claims a GPU by a lock file; None: no placement."""
     trainer_gpus: list[int] = Field(default_factory=lambda: [0])
     """Positions (from 0) in the list of GPUs the service was given (CUDA_VISIBLE_DEVICES, else
-    NVIDIA_VISIBLE_DEVICES, else /dev/nvidia<N>) that the trainer uses; where every GPU is visible, nvidia-smi's ids."""
+    NVIDIA_VISIBLE_DEVICES, else /dev/nvidia<N>) that the trainer uses; where every GPU is visible, nvidia-smi's ids.
+    Empty on a node of samplers only (docker-compose.worker.yml): every GPU is theirs."""
     sampler_gpus: list[int] | None = None
     """Positions (as trainer_gpus) the sampler replicas share out, one each; None: every visible GPU but the trainer's."""
 
     _ids = field_validator("trainer_gpus", "sampler_gpus", mode="before")(_gpu_ids)
 
-    @model_validator(mode="after")
-    def _trainer_has_a_gpu(self) -> PlacementConfig:
-        if not self.trainer_gpus:
-            raise ValueError("placement.trainer_gpus is empty: the trainer needs at least one GPU")
-        return self

@@ -148,8 +148,17 @@ def test_placement_config_reads_ids_from_the_environment():
     assert env_cfg.trainer_gpus == [0, 1] and env_cfg.sampler_gpus == [2]
     with pytest.raises(ConfigError, match="placement.trainer_gpus"):
         load_config(RunConfig, [], ["--placement.trainer_gpus", "first"])
-    with pytest.raises(ConfigError, match="trainer needs at least one GPU"):
-        load_config(RunConfig, [], ["--placement.trainer_gpus", "[]"])
+    worker = load_config(RunConfig, [], ["--placement.trainer_gpus", "[]"]).placement  # a node of samplers only
+    assert worker.trainer_gpus == []
+
+
+def test_a_node_of_samplers_only_gives_them_every_gpu_and_no_trainer(tmp_path):
+    cfg = PlacementConfig(lock_dir=str(tmp_path), trainer_gpus=[])
+    environ = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
+    claims = [place("sampler", cfg, dict(environ)) for _ in range(2)]
+    assert sorted(c.gpu for c in claims) == ["0", "1"]
+    with pytest.raises(PlacementError, match="trainer needs at least one GPU"):
+        place("trainer", cfg, dict(environ))
 
 
 def test_placement_is_off_without_a_lock_dir_and_sets_cuda_when_on(tmp_path):

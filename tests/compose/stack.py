@@ -1,0 +1,119 @@
+"""A compose project on a real Docker engine, as the compose tests drive it: the `docker compose` CLI for its
+lifecycle, the Docker SDK for inspection and faults, dlcctl from the host, the run's files read inside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from launcher.processes import free_ports
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_ID = "default"
+
+
+class Stack:
+    """One compose project: the `docker compose` CLI for lifecycle, the SDK for inspection and faults."""
+
+    def __init__(self, project: str, files: list[str], *, steps: int, env: dict[str, str] | None = None) -> None:
+        self.project, self.files = project, files
+        try:
+            self.client = docker.from_env()
+            self.client.ping()
+        except Exception as err:  # noqa: BLE001 - any failure to reach the engine means the same thing
+            pytest.fail(f"no Docker engine answers ({err}): run docker/engine.sh as root first (make compose-test does)")
+        self.port, metrics, trainer_metrics, dashboard = free_ports(4)  # distinct host ports
+        self.env = {
+            **os.environ,
+            "DLC_TOKEN": secrets.token_hex(24),
+            "DLC_DASHBOARD_TOKEN": secrets.token_hex(24),
+            "DLC_REDIS_COORDINATOR_PASSWORD": secrets.token_hex(24),
+            "DLC_REDIS_TRAINER_PASSWORD": secrets.token_hex(24),
+            "DLC_REDIS_SAMPLER_PASSWORD": secrets.token_hex(24),
+            "DLC_COORDINATOR_PORT": str(self.port),
+            "DLC_COORDINATOR_METRICS_PORT": str(metrics),
+            "DLC_TRAINER_METRICS_PORT": str(trainer_metrics),
+            "DLC_DASHBOARD_PORT": str(dashboard),
+            "DLC_STEPS": str(steps),
+            **(env or {}),
+        }
+
+    def compose(
+        self, *args: str, timeout: float = 900, check: bool = True, show: bool = False
+    ) -> subprocess.CompletedProcess:
+        """`docker compose ARGS` on this project; `show`: its output goes to the log as it comes (long builds)."""
+        cmd = ["docker", "compose", "-p", self.project, *(a for f in self.files for a in ("-f", f)), *args]
+        print(f"$ docker compose {' '.join(args)}", flush=True)
+        out = None if show else subprocess.PIPE
+        proc = subprocess.run(cmd, cwd=REPO, env=self.env, stdout=out, stderr=out, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"docker compose {' '.join(args)} failed ({proc.returncode}):\n{(proc.stderr or '')[-4000:]}")
+        return proc
+
+    def containers(self, service: str, *, all: bool = True) -> list:
+        labels = [f"com.docker.compose.project={self.project}", f"com.docker.compose.service={service}"]
+        return sorted(self.client.containers.list(all=all, filters={"label": labels}), key=lambda c: c.name)
+
+    def one(self, service: str):
+        [container] = self.containers(service)
+        return container
+
+    def dlcctl(self, *args: str) -> dict:
+        cmd = [sys.executable, "-m", "coordinator.dlcctl", "--address", f"127.0.0.1:{self.port}", *args, "--json"]
+        proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"dlcctl {' '.join(args)}: {proc.stderr}"
+        return json.loads(proc.stdout)
+
+    def trained(self) -> list[dict]:
+        batches, start = [], 0
+        while True:
+            page = self.dlcctl("batches", "--status", "trained", "--start", str(start), "--limit", "100")
+            batches += page.get("batches", [])
+            if len(page.get("batches", [])) < 100:
+                return batches
+            start = batches[-1]["batch_id"] + 1
+
+    def shared_file(self, path: str) -> str:
+        code, out = self.one("coordinator").exec_run(["cat", f"/shared/run/{path}"])
+        assert code == 0, out.decode()
+        return out.decode()
+
+    def metrics_rows(self) -> list[dict]:
+        return [json.loads(line) for line in self.shared_file("metrics.jsonl").splitlines() if line.strip()]
+
+    def redis_cli(self, *args: str) -> list[str]:
+        password = self.env["DLC_REDIS_COORDINATOR_PASSWORD"]
+        cmd = ["redis-cli", "--no-auth-warning", "--user", "coordinator", "--pass", password, *args]
+        code, out = self.one("redis").exec_run(cmd)
+        assert code == 0, out.decode()
+        return out.decode().split()
+
+    def pending_by_consumer(self) -> dict[str, int]:
+        """Tasks delivered to each sampler and not yet acked (XPENDING summary of the samplers' group)."""
+        words = self.redis_cli("XPENDING", f"dlc:{RUN_ID}:tasks", "samplers")
+        pairs = words[3:] if words and words[0] != "0" else []
+        return {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs) - 1, 2)}
+
+    def wait(self, what: str, condition, *, timeout: float, every: float = 1.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            value = condition()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                logs = self.compose("logs", "--no-color", "--tail", "40", check=False).stdout
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs[-8000:]}")
+            time.sleep(every)
+
+    def trainer_done(self) -> bool:
+        state = self.one("trainer").attrs["State"]  # a fresh inspect each call
+        assert not (state["Status"] == "exited" and state["ExitCode"] != 0), f"trainer failed: {state}"
+        return state["Status"] == "exited"
