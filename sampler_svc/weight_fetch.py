@@ -326,12 +326,14 @@ class WeightFetcher:
         tmp.rename(final)
         return final
 
-    async def _whole(self, version: int, manifest: dict[str, Any], manifest_bytes: bytes,
-                     report: FetchReport) -> Path:
+    async def _build(self, version: int, manifest: dict[str, Any], manifest_bytes: bytes, report: FetchReport,
+                     place) -> Path:
+        """`<root>/v{version}`: each file of `manifest` put into a `.tmp-` folder by `place(name, dest)` and checked
+        against its sha256, then the folder renamed into place; nothing is left behind on a failure."""
         tmp = self._tmp(version)
         try:
             for name, sha in sorted(manifest["files"].items()):
-                await self._download(f"/v1/weights/v{version:06d}/{name}", tmp / name, report)
+                await place(name, tmp / name)
                 await self._verified(tmp / name, sha, f"v{version:06d}/{name}", report)
                 report.files.append(name)
             return self._finish(tmp, version, manifest_bytes)
@@ -339,38 +341,40 @@ class WeightFetcher:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
+    async def _whole(self, version: int, manifest: dict[str, Any], manifest_bytes: bytes,
+                     report: FetchReport) -> Path:
+        async def download(name: str, dest: Path) -> None:
+            await self._download(f"/v1/weights/v{version:06d}/{name}", dest, report)
+
+        return await self._build(version, manifest, manifest_bytes, report, download)
+
     async def _rebuild(self, version: int, base: int, manifest: dict[str, Any], manifest_bytes: bytes,
                        report: FetchReport) -> Path:
         base_folder = version_folder(self.root, base)
         base_files = json.loads((base_folder / MANIFEST_NAME).read_text())["files"]
         delta = manifest.get("delta") or {}
         deltas = delta.get("files", {})
-        tmp = self._tmp(version)
-        try:
-            for name, sha in sorted(manifest["files"].items()):
-                if name in deltas:
-                    info = deltas[name]
-                    patch = tmp / f"{TMP_PREFIX}{info['name']}"
-                    await self._download(f"/v1/deltas/{info['name']}", patch, report)
-                    await self._verified(patch, info["sha256"], info["name"], report)
-                    started = time.perf_counter()
-                    try:
-                        await asyncio.to_thread(apply_delta, base_folder / name, patch, tmp / name,
-                                                planes=int(delta.get("planes", 1)))
-                    except DeltaError as err:
-                        raise WeightsError(f"delta {info['name']}: {err}") from None
-                    report.rebuild_s += time.perf_counter() - started
-                    patch.unlink()
-                elif base_files.get(name) == sha:  # unchanged (config, tokenizer): copied from the base
-                    await asyncio.to_thread(shutil.copyfile, base_folder / name, tmp / name)
-                else:
-                    await self._download(f"/v1/weights/v{version:06d}/{name}", tmp / name, report)
-                await self._verified(tmp / name, sha, f"v{version:06d}/{name}", report)
-                report.files.append(name)
-            return self._finish(tmp, version, manifest_bytes)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        async def rebuild(name: str, dest: Path) -> None:
+            if name in deltas:
+                info = deltas[name]
+                patch = dest.with_name(f"{TMP_PREFIX}{info['name']}")
+                await self._download(f"/v1/deltas/{info['name']}", patch, report)
+                await self._verified(patch, info["sha256"], info["name"], report)
+                started = time.perf_counter()
+                try:
+                    await asyncio.to_thread(apply_delta, base_folder / name, patch, dest,
+                                            planes=int(delta.get("planes", 1)))
+                except DeltaError as err:
+                    raise WeightsError(f"delta {info['name']}: {err}") from None
+                report.rebuild_s += time.perf_counter() - started
+                patch.unlink()
+            elif base_files.get(name) == manifest["files"][name]:  # unchanged (config, tokenizer): from the base
+                await asyncio.to_thread(shutil.copyfile, base_folder / name, dest)
+            else:
+                await self._download(f"/v1/weights/v{version:06d}/{name}", dest, report)
+
+        return await self._build(version, manifest, manifest_bytes, report, rebuild)
 
     def forget_older(self, serving: int) -> None:
         """Delete every fetched version but `serving` (and folders being written by nobody any more)."""
