@@ -121,7 +121,7 @@ def service_specs(
         specs.append(ServiceSpec("weights", WEIGHT_SERVER, config_path, {
             "DLC_RUN_DIR": common["DLC_RUN_DIR"], "DLC_MODEL__NAME_OR_PATH": model_dir,
             "DLC_MODEL__CACHE_DIR": common["DLC_MODEL__CACHE_DIR"], "DLC_WEIGHT_SERVER__HOST": "127.0.0.1",
-            "DLC_WEIGHT_SERVER__PORT": str(weights_port), "DLC_COORDINATOR__AUTH_TOKEN": "",
+            "DLC_WEIGHT_SERVER__PORT": str(weights_port), "DLC_COORDINATOR__AUTH_TOKEN": "none",
             "DLC_COORDINATOR__DASHBOARD_TOKEN": dashboard_token or ""}))
     for index in range(cfg.num_samplers):
         specs.append(

@@ -30,6 +30,7 @@ def finished_run(tmp_path_factory):
         "--coordinator.max_inflight_batches=1",
         "--trainer.anchor_every=3",
         "--trainer.keep_versions.latest=2",
+        "--coordinator.auth_token=http-test-write-token",  # the weight server then checks the read-only token
     ])
     live = {}
 
@@ -62,7 +63,10 @@ def test_the_sampler_fetched_by_deltas_into_its_own_folder(finished_run):
         str(run_dir / "fetched" / "sampler-0" / "model") in log  # the engine started from the fetched model
     env = finished_run["live"]["specs"]["sampler-0"]
     assert env["DLC_SAMPLER__WEIGHTS_URL"].startswith("http://127.0.0.1:") and "DLC_SAMPLER__WEIGHTS_DIR" not in env
-    assert "DLC_REDIS__URL" not in finished_run["live"]["specs"]["weights"]  # the weight server needs no Redis
+    weights = finished_run["live"]["specs"]["weights"]
+    assert "DLC_REDIS__URL" not in weights  # the weight server needs no Redis, and holds no write token:
+    assert weights["DLC_COORDINATOR__AUTH_TOKEN"] == "none" and weights["DLC_COORDINATOR__DASHBOARD_TOKEN"]
+    assert env["DLC_COORDINATOR__DASHBOARD_TOKEN"] == weights["DLC_COORDINATOR__DASHBOARD_TOKEN"]
     model, served = finished_run["live"]["fetched"]  # its starting model and the version it serves, nothing else
     assert model == "model"
     version = int(served[1:])
