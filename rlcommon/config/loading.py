@@ -95,6 +95,9 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
 
     This is how docker compose configures the services; the local launcher sets the same variables.
     Variables of other tools that merely start with `DLC_` and have no `__` (e.g. DLC_TOKEN) are ignored.
+    `DLC_<SECTION>__<KEY>_FILE=/run/secrets/x` reads the value from that file instead (its content, without the
+    trailing newline): how a secret reaches a service without being an environment variable (Docker Swarm
+    secrets, Kubernetes secret volumes); a file that cannot be read is a ConfigError naming the variable.
     """
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
@@ -104,6 +107,18 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
         key = name[len(ENV_PREFIX):].lower()
         if ("__" not in key and key not in _TOP_LEVEL_ENV) or raw == "":
             continue  # not a config variable, or set empty (compose's `${VAR:-}`): leave the default
+        if key.endswith(_FILE_SUFFIX) and "__" in key:
+            try:
+                raw = Path(raw).read_text().removesuffix("\n")
+            except OSError as err:
+                raise ConfigError(f"{name}: cannot read the secret file {raw!r}: {err.strerror or err}") from None
+            key = key[: -len(_FILE_SUFFIX)]
+            node = out
+            parts = key.replace("__", ".").split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = raw  # a secret is a string as it is, never parsed as TOML
+            continue
         key = key.replace("__", ".")
         node = out
         parts = key.split(".")
@@ -114,6 +129,7 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
 
 
 _TOP_LEVEL_ENV = {"run_dir", "steps", "num_samplers"}
+_FILE_SUFFIX = "_file"
 
 
 def load_config(

@@ -193,3 +193,23 @@ def test_the_trainer_reads_under_a_byte_budget_by_default():
     wanted = 4 * cfg.coordinator.batch_size * cfg.coordinator.group_size  # what the trainer asks for: 128
     count = read_count(wanted, budget_bytes=cfg.trainer.read_budget_bytes, max_message_bytes=cfg.wire.max_message_bytes)
     assert count == 14 and count * cfg.wire.max_message_bytes <= cfg.trainer.read_budget_bytes
+
+
+def test_a_secret_comes_from_a_file_named_by_a_file_variable(tmp_path, monkeypatch):
+    """DLC_<SECTION>__<KEY>_FILE: the value is the file's content (Docker Swarm secrets, Kubernetes volumes), taken
+    as a string as it is; an unreadable file names the variable."""
+    from rlcommon.config import ConfigError, RunConfig, env_overrides, load_config
+
+    token = tmp_path / "token"
+    token.write_text("0123abc\n")
+    url = tmp_path / "url"
+    url.write_text("redis://sampler:p%40ss@head:6379/0")
+    environ = {"DLC_COORDINATOR__AUTH_TOKEN_FILE": str(token), "DLC_REDIS__URL_FILE": str(url)}
+    assert env_overrides(environ) == {"coordinator": {"auth_token": "0123abc"},
+                                      "redis": {"url": "redis://sampler:p%40ss@head:6379/0"}}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_config(RunConfig, [], [], use_env=True)
+    assert cfg.coordinator.auth_token == "0123abc" and cfg.redis.url.startswith("redis://sampler:")
+    with pytest.raises(ConfigError, match="DLC_COORDINATOR__AUTH_TOKEN_FILE: cannot read the secret file"):
+        env_overrides({"DLC_COORDINATOR__AUTH_TOKEN_FILE": str(tmp_path / "missing")})
