@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import weights
+
+pytestmark = pytest.mark.slow  # ~20 s: two models published, a server process, real fetches
 
 
 def test_the_weights_benchmark_measures_whole_and_delta_syncs(tmp_path, capsys):
