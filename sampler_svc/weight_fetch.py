@@ -42,7 +42,7 @@ import aiohttp
 
 from rlcommon.weight_chain import FetchPlan, fetch_plan, manifest_copy_name
 from rlcommon.weight_delta import DeltaError, apply_delta
-from rlcommon.weight_store import MANIFEST_NAME, TMP_PREFIX, WeightsError, version_folder
+from rlcommon.weight_store import MANIFEST_NAME, TMP_PREFIX, WeightsError, load_version, version_folder
 
 __all__ = ["FetchReport", "Unreachable", "WeightFetcher"]
 
@@ -276,8 +276,14 @@ class WeightFetcher:
 
     async def _fetch(self, weight_version: int, sha256: str, *, local_version: int | None) -> FetchReport:
         report = FetchReport(folder=version_folder(self.root, weight_version), plan=FetchPlan(None, ()))
-        if report.folder.is_dir():  # fetched before (a load that failed after the fetch): checked again on load
-            return report
+        if report.folder.is_dir():  # fetched before (the load failed after the fetch): used if it is still whole
+            try:
+                await asyncio.to_thread(load_version, report.folder, expected_version=weight_version,
+                                        expected_sha256=sha256)
+                return report
+            except WeightsError as err:  # gone bad on disk: fetched again
+                logger.warning("fetched version %d no longer checks out (%s): fetching it again", weight_version, err)
+                await asyncio.to_thread(shutil.rmtree, report.folder, True)
         if local_version is not None and not version_folder(self.root, local_version).is_dir():
             local_version = None
         target = await self._manifest(weight_version, sha256, report, announced=True)

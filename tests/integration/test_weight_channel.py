@@ -188,6 +188,18 @@ def test_a_corrupt_delta_is_refused_and_the_served_version_kept(server, publishe
     assert load_version(version_folder(local, 4), expected_sha256=published.sha[4]).weight_version == 4
 
 
+def test_a_fetched_version_that_went_bad_on_disk_is_fetched_again(server, published, tmp_path):
+    local = tmp_path / "sampler"
+    f = fetcher(server, local)
+    f.start_fresh()
+    run(fetch(f, 3, published.sha[3], None))
+    (version_folder(local, 3) / "config.json").write_text("{}")  # the load failed on it; the retry fetches again
+    report = run(fetch(fetcher(server, local), 3, published.sha[3], None))
+    assert report.plan == FetchPlan(whole=3, deltas=()) and report.bytes_fetched > 0
+    assert same_files(version_folder(local, 3), version_folder(published.root, 3))
+    assert run(fetch(fetcher(server, local), 3, published.sha[3], None)).bytes_fetched == 0  # whole: used as it is
+
+
 def test_a_lost_link_falls_back_to_the_announced_version_whole(server, published, tmp_path):
     (published.root / DELTAS_DIR / manifest_copy_name(4)).unlink()
     shutil.rmtree(version_folder(published.root, 4))  # the trainer deleted it: its manifest is nowhere
