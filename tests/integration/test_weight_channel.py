@@ -284,3 +284,72 @@ def test_the_images_healthcheck_asks_the_weight_server(server):
         closed.bind(("127.0.0.1", 0))
         problem = probe("trainer_svc.weight_server", RunConfig(weight_server={"port": closed.getsockname()[1]}))
     assert problem is not None and "/healthz" in problem
+
+
+class SlowProxy(CuttingProxy):
+    """A TCP proxy that forwards the server's answers 4 KiB at a time, counting the bytes: a fetch through it
+    takes seconds, so a process can be killed in the middle of one."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target, cut=0)
+        self.forwarded = 0
+
+    async def handle(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+
+        async def up():
+            with contextlib.suppress(ConnectionError):
+                while data := await reader.read(65536):
+                    up_writer.write(data)
+                    await up_writer.drain()
+
+        async def down():
+            with contextlib.suppress(ConnectionError):
+                while data := await up_reader.read(4096):
+                    writer.write(data)
+                    await writer.drain()
+                    self.forwarded += len(data)
+                    await asyncio.sleep(0.01)
+            writer.close()
+
+        await asyncio.gather(up(), down())
+
+
+FETCH_SCRIPT = """
+import asyncio, sys
+from sampler_svc.weight_fetch import WeightFetcher
+f = WeightFetcher(sys.argv[1], sys.argv[2], token=sys.argv[3])
+f.start_fresh()
+asyncio.run(f.fetch(int(sys.argv[4]), sys.argv[5], local_version=None))
+print("fetched")
+"""
+
+
+def test_a_fetch_killed_with_9_midway_leaves_nothing_that_loads_and_the_next_fetch_is_whole(server, published,
+                                                                                          tmp_path):
+    local = tmp_path / "sampler"
+
+    proxy = SlowProxy(server)
+
+    async def go():
+        async with proxy as url:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", FETCH_SCRIPT, url, str(local), READ_TOKEN, "5", published.sha[5], cwd=REPO)
+            deadline = asyncio.get_running_loop().time() + 120
+            while proxy.forwarded < 20_000:  # inside the anchor's model.safetensors
+                assert proc.returncode is None, "the fetch finished before it could be killed"
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.02)
+            proc.kill()
+            await proc.wait()
+            return proxy.forwarded
+
+    forwarded = run(go())
+    left = sorted(p.name for p in local.iterdir())
+    assert all(name.startswith(".tmp-") for name in left), left  # a partial folder, never a vNNNNNN one
+    print(f"killed after {forwarded} bytes; left: {left}")
+    f = fetcher(server, local)
+    f.start_fresh()  # what a restarted sampler does first
+    assert sorted(p.name for p in local.iterdir()) == []
+    run(fetch(f, 5, published.sha[5], None))
+    assert load_version(version_folder(local, 5), expected_sha256=published.sha[5]).weight_version == 5
