@@ -1,7 +1,8 @@
 """The weight channel over HTTP for real: `python -m trainer_svc.weight_server` as its own process on a socket,
 versions published by publish_version on a real model, the sampler's WeightFetcher pulling them into another
-folder (no shared files): deltas replayed from an anchor, a download broken off and resumed, a corrupt delta
-refused with the served version kept, tokens and paths refused."""
+folder (no shared files): deltas replayed from an anchor, a download broken off and resumed, a fetching process
+killed with -9 midway (nothing it leaves loads; the next fetch is whole), a corrupt delta refused with the served
+version kept, tokens and paths refused."""
 
 from __future__ import annotations
 
