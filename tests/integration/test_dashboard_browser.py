@@ -16,7 +16,7 @@ from rlcommon.metrics import read_jsonl
 from tests.integration import browser
 from tests.integration.stacks import stack_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # slow: its fixture starts a stack and a browser (~20 s)
 
 STEPS = 10
 

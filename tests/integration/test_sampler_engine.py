@@ -25,7 +25,7 @@ from rlcommon.weight_store import WeightsError, publish_version, version_folder
 from rlcommon.wire import Rollout, Task, decode, encode
 from sampler_svc.rollouts import generate_rollouts
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # slow: the session engine starts first (~20 s)
 
 LOGPROB_ATOL = 1e-4
 """Largest accepted |log mu - log pi_trainer| at equal weights in float32 (measured max ~1e-5)."""

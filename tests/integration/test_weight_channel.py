@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOKEN = "weights-token-for-tests"
 READ_TOKEN = "read-only-token-for-tests"
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # slow: a server process per test, ~30 s in all
 
 
 class Published:
