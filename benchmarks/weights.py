@@ -58,12 +58,12 @@ def _server(run_dir: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _floor(path: Path, scratch: Path) -> float:
-    from sampler_svc.weight_fetch import _sha256
+    from rlcommon.weight_store import sha256_file
 
     started = time.perf_counter()
     shutil.copyfile(path, scratch)
     os.fsync(os.open(scratch, os.O_RDONLY))
-    _sha256(scratch)
+    sha256_file(scratch)
     seconds = time.perf_counter() - started
     scratch.unlink()
     return seconds

@@ -60,6 +60,7 @@ __all__ = [
     "publish_version",
     "published_versions",
     "resolve_announced_version",
+    "sha256_file",
     "sweep_partial",
     "verify_version_folder",
     "version_folder",
@@ -93,9 +94,10 @@ def version_folder(publish_dir: str | os.PathLike[str], weight_version: int) -> 
     return Path(publish_dir) / f"v{weight_version:06d}"
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file, read in 1 MiB pieces (the hash every manifest, fetch and check uses)."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with Path(path).open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -103,7 +105,7 @@ def _sha256_file(path: Path) -> str:
 
 def manifest_sha256(path: str | os.PathLike[str]) -> str:
     """sha256 of the manifest.json of version folder `path`."""
-    return _sha256_file(Path(path) / MANIFEST_NAME)
+    return sha256_file(Path(path) / MANIFEST_NAME)
 
 
 def _fsync(path: Path) -> None:
@@ -150,7 +152,7 @@ def publish_version(
             for source in sorted(Path(source_dir).iterdir()):
                 if source.is_file() and source.name not in _WRITTEN_BY_MODEL and not _NOT_COPIED.search(source.name):
                     shutil.copyfile(source, tmp / source.name)
-        files = {p.name: _sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest: dict[str, Any] = {"weight_version": weight_version, "step": step, "files": files,
                                     "sizes": {name: (tmp / name).stat().st_size for name in files}}
         if anchor_every > 0:
@@ -198,7 +200,7 @@ def _write_deltas(folder: Path, publish_root: Path, weight_version: int, anchor_
             base_manifest = None
     if base_manifest is not None:
         for new in sorted(folder.glob("*.safetensors")):
-            old = version_folder(publish_root, base_version) / new.name
+            old = base_folder / new.name
             if new.name not in base_manifest.get("files", {}) or not old.is_file() or \
                     old.stat().st_size != new.stat().st_size:
                 continue
@@ -212,7 +214,7 @@ def _write_deltas(folder: Path, publish_root: Path, weight_version: int, anchor_
                 logger.warning("no delta for %s of version %d: %s", new.name, weight_version, err)
                 continue
             os.replace(tmp, target)
-            deltas[new.name] = {"name": target.name, "sha256": _sha256_file(target), "bytes": sizes.delta_bytes}
+            deltas[new.name] = {"name": target.name, "sha256": sha256_file(target), "bytes": sizes.delta_bytes}
     return delta_entry(weight_version, base_version=base_version if base_manifest is not None else None,
                        base_manifest=base_manifest, base_manifest_sha256=base_sha, anchor_every=anchor_every,
                        deltas=deltas, planes=planes)
@@ -266,7 +268,7 @@ def verify_version_folder(path: str | os.PathLike[str], *, expected_sha256: str 
     files: dict[str, Any] = manifest["files"]
     if "config.json" not in files or not any(name.endswith(".safetensors") for name in files):
         raise WeightsError(f"{manifest_path}: manifest lists no config.json or no .safetensors weights")
-    if expected_sha256 is not None and _sha256_file(manifest_path) != expected_sha256:
+    if expected_sha256 is not None and sha256_file(manifest_path) != expected_sha256:
         raise WeightsError(f"{manifest_path}: sha256 differs from the announced {expected_sha256}")
     for name, expected in sorted(files.items()):
         if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
@@ -276,7 +278,7 @@ def verify_version_folder(path: str | os.PathLike[str], *, expected_sha256: str 
             raise WeightsError(f"{file_path}: links outside the version folder (to {file_path.resolve()}): refused")
         if not file_path.is_file():
             raise WeightsError(f"{folder}: file {name} listed in the manifest is missing (partial folder?)")
-        actual = _sha256_file(file_path)
+        actual = sha256_file(file_path)
         if actual != expected:
             raise WeightsError(f"{file_path}: sha256 mismatch (manifest {expected}, file {actual})")
     return manifest

@@ -42,7 +42,14 @@ import aiohttp
 
 from rlcommon.weight_chain import FetchPlan, fetch_plan, manifest_copy_name
 from rlcommon.weight_delta import DeltaError, apply_delta
-from rlcommon.weight_store import MANIFEST_NAME, TMP_PREFIX, WeightsError, load_version, version_folder
+from rlcommon.weight_store import (
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    WeightsError,
+    load_version,
+    sha256_file,
+    version_folder,
+)
 
 __all__ = ["FetchReport", "Unreachable", "WeightFetcher"]
 
@@ -80,14 +87,6 @@ class FetchReport:
         return (f"{how}, {self.bytes_fetched / 1e6:.2f} MB fetched in {self.fetch_s:.2f} s, verified in "
                 f"{self.verify_s:.2f} s, rebuilt in {self.rebuild_s:.2f} s"
                 + (f", {self.resumed} downloads resumed" if self.resumed else ""))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class WeightFetcher:
@@ -141,7 +140,7 @@ class WeightFetcher:
             if not isinstance(name, str) or "/" in name or name.startswith("."):
                 raise WeightsError(f"weight server {self.base_url}: bad model file name {name!r}")
             path = folder / name
-            if path.is_file() and await asyncio.to_thread(_sha256, path) == sha:
+            if path.is_file() and await asyncio.to_thread(sha256_file, path) == sha:
                 continue
             path.unlink(missing_ok=True)
             try:
@@ -224,7 +223,7 @@ class WeightFetcher:
 
     async def _verified(self, dest: Path, expected: str, what: str, report: FetchReport) -> None:
         started = time.perf_counter()
-        actual = await asyncio.to_thread(_sha256, dest)
+        actual = await asyncio.to_thread(sha256_file, dest)
         report.verify_s += time.perf_counter() - started
         if actual != expected:
             raise WeightsError(f"{what}: sha256 {actual} is not the manifest's {expected}: refused")

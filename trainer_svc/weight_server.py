@@ -25,7 +25,6 @@ its FileResponse implements ranges, conditional requests and sendfile, so no HTT
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import json
 import logging
@@ -36,7 +35,7 @@ from pathlib import Path
 from aiohttp import web
 
 from rlcommon.config import RunConfig
-from rlcommon.weight_store import DELTAS_DIR, TMP_PREFIX, latest_version, published_versions
+from rlcommon.weight_store import DELTAS_DIR, TMP_PREFIX, latest_version, published_versions, sha256_file
 
 __all__ = ["make_app", "serve", "main"]
 
@@ -70,16 +69,8 @@ def model_manifest(model_dir: str | Path) -> dict:
     files are links into its blob store), name -> sha256, and their sizes."""
     folder = Path(model_dir)
     files = {p.name: p.resolve() for p in sorted(folder.iterdir()) if _FILE.match(p.name) and p.resolve().is_file()}
-    return {"files": {name: _sha256(path) for name, path in files.items()},
+    return {"files": {name: sha256_file(path) for name, path in files.items()},
             "sizes": {name: path.stat().st_size for name, path in files.items()}}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def make_app(publish_dir: str | Path, *, tokens: list[bytes], max_connections: int = 64,
