@@ -3,7 +3,7 @@
 Builds the images, starts docker-compose.yml + docker-compose.cpu.yml + tests/compose/docker-compose.test.yml
 with `--scale sampler=2`, and checks the running containers with the Docker SDK: both replicas train, dlcctl
 from the host agrees with the trainer's metrics, the Prometheus endpoints answer inside the network, a
-SIGKILLed sampler's tasks go to the other replica while compose restarts it, and `down` + `up` resumes from
+SIGKILLed sampler's tasks go to the other replica, and compose's restart policy brings it back, and `down` + `up` resumes from
 the volumes. The tests run in file order on one stack (each builds on the one before).
 """
 
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.compose
 
 PROJECT = os.environ.get("DLC_COMPOSE_PROJECT", "dlc-compose-test")
 FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "tests/compose/docker-compose.test.yml"]
-FIRST_STEPS = 80
-SECOND_STEPS = 100
+FIRST_STEPS = 100
+SECOND_STEPS = 120
 B, G = 8, 4
 
 
@@ -150,30 +150,49 @@ def test_prometheus_endpoints_answer_inside_the_network(stack):
 
 
 def test_a_killed_sampler_is_replaced_and_nothing_is_lost(stack):
+    """Two deaths of one replica. First with its restart policy off, so nothing can race the claim: its pending
+    tasks must go to the other replica. Then under compose's `restart: unless-stopped`: Docker brings it back,
+    it catches up on weights and takes tasks. Every batch is trained once either way."""
     victim, survivor = stack.containers("sampler")
     victim_id, survivor_id = _sampler_id(victim), _sampler_id(survivor)
-    stack.wait(f"{victim_id} holding tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) > 0, timeout=120, every=0.2)
-    before = len(stack.trained())
-    pid = victim.attrs["State"]["Pid"]
-    killed_at = time.time()
-    os.kill(pid, signal.SIGKILL)  # the main process dies as in an OOM kill; compose did not stop it
-    print(f"kill -9 {victim.name} (host pid {pid}) at {before} trained batches")
-    pending = stack.pending_by_consumer().get(victim_id, 0)
+    policy = victim.attrs["HostConfig"]["RestartPolicy"]
+    assert policy["Name"] == "unless-stopped", policy
 
-    stack.wait(f"{survivor_id} claiming {victim_id}'s tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) == 0, timeout=300)
-    [record] = [s for s in stack.dlcctl("status")["samplers"] if s["sampler_id"] == victim_id]
-    assert record["registered_at"] < killed_at, "the restarted replica took its tasks back itself"
-    print(f"{pending} tasks pending at {victim_id} went to {survivor_id} (the killed replica not yet back)")
-
-    def restarted_and_acked():
+    def kill_holding_tasks() -> int:
+        stack.wait(f"{victim_id} holding tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) > 0, timeout=120, every=0.2)
         victim.reload()
-        if victim.attrs["RestartCount"] < 1 or victim.attrs["State"]["Status"] != "running":
-            return False
-        status = stack.dlcctl("status")
-        me = [s for s in status["samplers"] if s["sampler_id"] == victim_id]
-        return me and me[0]["health"] == "SAMPLER_HEALTHY" and me[0]["weight_version"] == status["published_version"]
+        pid = victim.attrs["State"]["Pid"]
+        os.kill(pid, signal.SIGKILL)  # the main process dies as in an OOM kill; compose did not stop it
+        print(f"kill -9 {victim.name} (host pid {pid}) at {len(stack.trained())} trained batches")
+        return stack.pending_by_consumer().get(victim_id, 0)
 
-    stack.wait("compose restarting the killed replica, and it acking the current version", restarted_and_acked, timeout=600)
+    def back_and_acked(restarts: int):
+        def check():
+            victim.reload()
+            if victim.attrs["RestartCount"] < restarts or victim.attrs["State"]["Status"] != "running":
+                return False
+            status = stack.dlcctl("status")
+            me = [s for s in status["samplers"] if s["sampler_id"] == victim_id]
+            return me and me[0]["health"] == "SAMPLER_HEALTHY" and me[0]["weight_version"] == status["published_version"]
+
+        return check
+
+    # 1. It dies and stays dead: the survivor claims what it held.
+    victim.update(restart_policy={"Name": "no"})
+    pending = kill_holding_tasks()
+    stack.wait(f"{survivor_id} claiming {victim_id}'s tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) == 0, timeout=300)
+    victim.reload()
+    assert victim.attrs["State"]["Status"] == "exited", victim.attrs["State"]
+    logs = survivor.logs().decode(errors="replace")
+    assert re.search(rf"{survivor_id} claimed \d+ entries of \S+tasks/samplers idle at {victim_id}", logs), logs[-3000:]
+    print(f"{pending} tasks pending at {victim_id} went to {survivor_id}")
+
+    # 2. The policy back on, it is started again; killed once more, Docker restarts it by itself.
+    victim.update(restart_policy=policy)
+    victim.start()
+    stack.wait(f"{victim_id} started again and acking the current version", back_and_acked(0), timeout=600)
+    kill_holding_tasks()
+    stack.wait("compose restarting the killed replica, and it acking the current version", back_and_acked(1), timeout=600)
     victim.reload()
     print(f"{victim.name}: restarts {victim.attrs['RestartCount']}, status {victim.attrs['State']['Status']}")
     stack.wait(f"the trainer finishing {FIRST_STEPS} steps", stack.trainer_done, timeout=900)
