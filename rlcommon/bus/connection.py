@@ -112,6 +112,7 @@ class RedisConnection:
         connect_timeout_s: float = 5.0,
         reconnect_max_s: float = 60.0,
         socket_timeout_s: float | None = 30.0,
+        password: str | None = None,
     ) -> None:
         self.url = url
         self.display_url = redacted_url(url)
@@ -119,6 +120,7 @@ class RedisConnection:
         self.socket_timeout_s = socket_timeout_s
         self.client = redis.Redis.from_url(
             url,
+            password=password,  # used when the URL holds none (redis.password)
             decode_responses=False,
             protocol=2,
             socket_connect_timeout=connect_timeout_s,
@@ -138,7 +140,8 @@ class RedisConnection:
             raise ValueError(
                 "redis.url is not set and no url was given (start an EmbeddedRedis for local runs)"
             )
-        return cls(target, connect_timeout_s=cfg.connect_timeout_s, reconnect_max_s=cfg.reconnect_max_s)
+        return cls(target, connect_timeout_s=cfg.connect_timeout_s, reconnect_max_s=cfg.reconnect_max_s,
+                   password=cfg.password if target == cfg.url else None)
 
     def call(self, fn: Callable[[redis.Redis], T]) -> T:
         """Run `fn(client)`, retrying with exponential backoff (50 ms doubling to 2 s) while Redis is
@@ -157,7 +160,7 @@ class RedisConnection:
                 user = self.client.get_connection_kwargs().get("username") or "default"
                 raise BusAuthError(
                     f"redis at {self.display_url} refused user '{user}' ({exc}): check the user and password "
-                    "in redis.url (DLC_REDIS__URL), redis://user:password@host:port/db"
+                    "in redis.url (DLC_REDIS__URL), redis://user:password@host:port/db, or redis.password"
                 ) from exc
             except redis.exceptions.AuthorizationError:
                 raise

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlcommon.config.base import StrictModel
 
@@ -15,6 +16,10 @@ class RedisConfig(StrictModel):
     url: str | None = None
     """redis://user:password@host:port/db of an existing server, as this service's ACL user (coordinator,
     trainer, sampler: rlcommon/redis_acl.py); None starts an embedded redis-server (local launcher)."""
+    password: str | None = None
+    """The password of redis.url's user when the URL holds none: set it from a secret file with
+    DLC_REDIS__PASSWORD_FILE=/run/secrets/... (Docker Swarm, docker-stack.yml), so the password is neither an
+    environment variable nor part of a URL that could be logged. Not with a password in the URL too."""
     data_dir: str | None = None
     """Folder for the embedded server's append-only file; default `<run_dir>/redis`."""
     connect_timeout_s: float = Field(5.0, gt=0)
@@ -25,6 +30,13 @@ class RedisConfig(StrictModel):
     """fsync policy of the embedded server's append-only file: `always` survives a `kill -9` of
     redis-server (or a power cut) without losing an acknowledged write, at some write throughput;
     `everysec` (Redis's default) may lose the last second."""
+
+
+    @model_validator(mode="after")
+    def _one_password(self) -> RedisConfig:
+        if self.password is not None and self.url is not None and urlsplit(self.url).password is not None:
+            raise ValueError("redis.password is set and redis.url holds a password too: give it in one place")
+        return self
 
 
 class BusConfig(StrictModel):
