@@ -13,7 +13,8 @@ protos/coordinator.proto, enums by name, int64 as numbers). `--address` (env DLC
 coordinator every command needs one; the read-only DLC_DASHBOARD_TOKEN serves all but `sync`),
 `--tls-ca` (env DLC_TLS_CA: CA or server certificate PEM; enables TLS), `--tls-server-name` (env
 DLC_TLS_SERVER_NAME: the name to check in the certificate when the address is not in it). Inside a compose service, the
-service's DLC_COORDINATOR__ADDRESS / DLC_COORDINATOR__AUTH_TOKEN serve when those are unset.
+service's DLC_COORDINATOR__ADDRESS / DLC_COORDINATOR__AUTH_TOKEN serve when those are unset, and each token
+variable may be given as NAME_FILE, a file holding it (in a swarm service: `docker exec <coordinator> dlcctl status`).
 Exit code 1 on an RPC error, 2 on a usage error. Also runnable as `python -m coordinator.dlcctl`.
 """
 
@@ -343,6 +344,21 @@ def _env(*names: str) -> str | None:
     return next((os.environ[n] for n in names if os.environ.get(n)), None)
 
 
+def _secret(*names: str) -> str | None:
+    """As `_env`, where each NAME may also be given as NAME_FILE, a file holding it (a swarm secret)."""
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+        path = os.environ.get(f"{name}_FILE")
+        if path:
+            try:
+                with open(path) as handle:
+                    return handle.read().removesuffix("\n")
+            except OSError as err:
+                raise SystemExit(f"dlcctl: {name}_FILE: cannot read {path!r}: {err.strerror or err}") from None
+    return None
+
+
 _BATCH_STATUS = {"planned": pb.BATCH_PLANNED, "complete": pb.BATCH_COMPLETE, "trained": pb.BATCH_TRAINED}
 
 
@@ -411,7 +427,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
     )
     tls_ca = getattr(args, "tls_ca", None) or os.environ.get("DLC_TLS_CA") or None
     tls_server_name = getattr(args, "tls_server_name", None) or os.environ.get("DLC_TLS_SERVER_NAME") or None
-    token = getattr(args, "token", None) or _env(
+    token = getattr(args, "token", None) or _secret(
         "DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN", "DLC_DASHBOARD_TOKEN", "DLC_COORDINATOR__DASHBOARD_TOKEN"
     )
     try:

@@ -985,7 +985,7 @@ def run_dlcctl(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def test_dlcctl_against_the_live_server(start_server, monkeypatch):
+def test_dlcctl_against_the_live_server(start_server, monkeypatch, tmp_path):
     harness = start_server(sync_policy="ess", auth_token=TOKEN, dashboard_token=READ_TOKEN)
     stub = harness.stub
     stub.RegisterSampler(
@@ -998,6 +998,15 @@ def test_dlcctl_against_the_live_server(start_server, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     code, _, err = run_dlcctl("status")
     assert code == 1 and "UNAUTHENTICATED" in err and "DLC_DASHBOARD_TOKEN" in err
+    # Inside a swarm service the token is a secret file (DLC_COORDINATOR__DASHBOARD_TOKEN_FILE).
+    (tmp_path / "read_token").write_text(READ_TOKEN + "\n")
+    monkeypatch.setenv("DLC_COORDINATOR__DASHBOARD_TOKEN_FILE", str(tmp_path / "read_token"))
+    code, out, _ = run_dlcctl("status", "--json")
+    assert code == 0 and json.loads(out)["run_id"] == RUN_ID
+    monkeypatch.setenv("DLC_COORDINATOR__DASHBOARD_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit, match="DLC_COORDINATOR__DASHBOARD_TOKEN_FILE: cannot read"):
+        run_dlcctl("status")
+    monkeypatch.delenv("DLC_COORDINATOR__DASHBOARD_TOKEN_FILE")
     monkeypatch.setenv("DLC_DASHBOARD_TOKEN", READ_TOKEN)  # a read-only operator
 
     code, out, _ = run_dlcctl("status")
