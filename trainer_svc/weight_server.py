@@ -25,6 +25,7 @@ its FileResponse implements ranges, conditional requests and sendfile, so no HTT
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import json
 import logging
@@ -135,11 +136,38 @@ def ssl_context(cfg: RunConfig) -> ssl.SSLContext | None:
     return context
 
 
-async def serve(cfg: RunConfig, stopping: asyncio.Event, *, on_ready=None) -> None:
-    """Serve until `stopping` is set; `on_ready(port)` is called once it listens."""
+MODEL_WAIT_S = 2.0
+"""How often the server looks again for a model it may not build itself."""
+
+
+async def _resolved_model(cfg: RunConfig, stopping: asyncio.Event) -> Path | None:
+    """The run's model folder. The server reads the shared volume read-only, so a preset not built yet is waited for:
+    the coordinator builds it at its start, and under Docker Swarm nothing orders the two. None when `stopping` is set first."""
     from rlcommon.models import resolve_model
 
-    model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
+    waited = 0.0
+    while True:
+        try:
+            return await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
+        except OSError as err:
+            if err.errno not in (errno.EROFS, errno.EACCES):
+                raise
+            if waited % 60 == 0:
+                logger.info("model %s is not in %s yet and this server may not write there (%s): waiting for the "
+                            "coordinator to resolve it (%.0f s so far)", cfg.model.name_or_path, cfg.model.cache_dir,
+                            err.strerror, waited)
+        try:
+            await asyncio.wait_for(stopping.wait(), MODEL_WAIT_S)
+            return None
+        except TimeoutError:
+            waited += MODEL_WAIT_S
+
+
+async def serve(cfg: RunConfig, stopping: asyncio.Event, *, on_ready=None) -> None:
+    """Serve until `stopping` is set; `on_ready(port)` is called once it listens."""
+    model_dir = await _resolved_model(cfg, stopping)
+    if model_dir is None:
+        return
     app = await asyncio.to_thread(make_app, cfg.publish_dir, tokens=_tokens(cfg),
                                   max_connections=cfg.weight_server.max_connections, model_dir=model_dir)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
