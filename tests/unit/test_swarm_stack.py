@@ -224,3 +224,12 @@ def test_make_secrets_writes_private_random_files_and_keeps_existing_ones(tmp_pa
     assert not any(v in out for v in values.values())  # names only, never a value
     subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(folder)], check=True, capture_output=True)
     assert {name: (folder / name).read_text() for name in SECRETS} == values
+
+
+def test_the_ports_override_publishes_only_the_coordinator_in_host_mode():
+    ports = yaml.safe_load((REPO / "docker-stack.ports.yml").read_text())["services"]
+    assert list(ports) == ["coordinator"]
+    published = {p["target"]: (substitute(p["published"]), p["mode"]) for p in ports["coordinator"]["ports"]}
+    env = env_of(STACK, "coordinator")
+    assert published == {int(env["DLC_COORDINATOR__PORT"]): ("50051", "host"),
+                         int(env["DLC_COORDINATOR__DASHBOARD_PORT"]): ("8080", "host")}
