@@ -243,6 +243,9 @@ def test_reload_next_version_matches_trainer_at_that_version(sampler_engine, pub
 
     assert sampler_engine.run(engine.reload_weights(new_dir, weight_version=new_version)) == new_version
     assert engine.weight_version == new_version
+    # The swap went through vLLM's weight-update API with the sampler's engine (sampler_svc/vllm_transfer.py).
+    assert sampler_engine.run(engine.llm.collective_rpc("weight_transfer_backend")) == ["VersionFolderEngine"]
+    assert sampler_engine.run(engine.llm.get_weight_version()) == str(new_version)
     assert_matches_served_version(sampler_engine, seed=31)
 
     # The reload took effect: the new weights' logprobs are far from the old ones.
@@ -251,6 +254,46 @@ def test_reload_next_version_matches_trainer_at_that_version(sampler_engine, pub
     old = trainer_logprobs(old_dir, prompt, sample.response_ids)
     old_sampled = old[np.arange(len(sample.response_ids)), sample.response_ids]
     assert np.abs(old_sampled - sample.sampler_logprobs).mean() > MIN_VERSION_SHIFT
+
+
+def test_the_transfer_engine_refuses_a_folder_that_leaves_a_parameter_unloaded(tmp_path, monkeypatch):
+    """finish_weight_update checks that the folder held every parameter: never a half-old model served as new."""
+    import torch
+    from safetensors.torch import save_file
+    from vllm.model_executor.model_loader import reload as vllm_reload
+
+    from sampler_svc.vllm_transfer import VersionFolderEngine
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+        def load_weights(self, weights):
+            params = dict(self.named_parameters())
+            loaded = set()
+            for name, tensor in weights:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+            return loaded
+
+    monkeypatch.setattr(vllm_reload, "initialize_layerwise_reload", lambda model: None)
+    monkeypatch.setattr(vllm_reload, "finalize_layerwise_reload", lambda model, config: None)
+    engine = object.__new__(VersionFolderEngine)
+    engine.model, engine.model_config, engine._loaded, engine._expected = Model(), None, None, set()
+    save_file({"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    engine.start_weight_update()
+    engine.update_weights({"path": str(tmp_path)})
+    assert torch.equal(engine.model.a.weight, torch.ones(2, 2))
+    with pytest.raises(RuntimeError, match="did not hold 2 parameters, e.g. \\['b.bias', 'b.weight'\\]"):
+        engine.finish_weight_update()
+    with pytest.raises(RuntimeError, match="update_weights before start_weight_update"):
+        engine.update_weights({"path": str(tmp_path)})
+    engine.start_weight_update()
+    with pytest.raises(FileNotFoundError, match="no .safetensors file"):
+        engine.update_weights({"path": str(tmp_path / "empty")})
+    with pytest.raises(ValueError, match="Invalid update_info"):
+        engine.update_weights({"folder": str(tmp_path)})
 
 
 BAD_FOLDERS = [
