@@ -73,13 +73,7 @@ class Stack:
         return json.loads(proc.stdout)
 
     def trained(self) -> list[dict]:
-        batches, start = [], 0
-        while True:
-            page = self.dlcctl("batches", "--status", "trained", "--start", str(start), "--limit", "100")
-            batches += page.get("batches", [])
-            if len(page.get("batches", [])) < 100:
-                return batches
-            start = batches[-1]["batch_id"] + 1
+        return trained_batches(self.dlcctl)
 
     def shared_file(self, path: str) -> str:
         code, out = self.one("coordinator").exec_run(["cat", f"/shared/run/{path}"])
@@ -103,17 +97,33 @@ class Stack:
         return {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs) - 1, 2)}
 
     def wait(self, what: str, condition, *, timeout: float, every: float = 1.0):
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                logs = self.compose("logs", "--no-color", "--tail", "40", check=False).stdout
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs[-8000:]}")
-            time.sleep(every)
+        return wait_for(what, condition, timeout=timeout, every=every,
+                        logs=lambda: self.compose("logs", "--no-color", "--tail", "40", check=False).stdout[-8000:])
 
     def trainer_done(self) -> bool:
         state = self.one("trainer").attrs["State"]  # a fresh inspect each call
         assert not (state["Status"] == "exited" and state["ExitCode"] != 0), f"trainer failed: {state}"
         return state["Status"] == "exited"
+
+
+def trained_batches(dlcctl) -> list[dict]:
+    """Every trained batch of the ledger, by pages of 100 (`dlcctl(*args) -> dict` asks the coordinator)."""
+    batches, start = [], 0
+    while True:
+        page = dlcctl("batches", "--status", "trained", "--start", str(start), "--limit", "100")
+        batches += page.get("batches", [])
+        if len(page.get("batches", [])) < 100:
+            return batches
+        start = batches[-1]["batch_id"] + 1
+
+
+def wait_for(what: str, condition, *, timeout: float, every: float, logs):
+    """`condition()`'s first true value, polled every `every` s; after `timeout` s an error with `logs()`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs()}")
+        time.sleep(every)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
-import time
 
 import docker
 import pytest
 
-from tests.compose.stack import REPO, RUN_ID, Stack
+from tests.compose.stack import REPO, RUN_ID, Stack, trained_batches, wait_for
 
 pytestmark = pytest.mark.compose
 
@@ -71,13 +70,7 @@ class Swarm:
         return json.loads(self.exec("coordinator", f"python -m coordinator.dlcctl {shlex.join(args)} --json"))
 
     def trained(self) -> list[dict]:
-        batches, start = [], 0
-        while True:
-            page = self.dlcctl("batches", "--status", "trained", "--start", str(start), "--limit", "100")
-            batches += page.get("batches", [])
-            if len(page.get("batches", [])) < 100:
-                return batches
-            start = batches[-1]["batch_id"] + 1
+        return trained_batches(self.dlcctl)
 
     def pending_by_consumer(self) -> dict[str, int]:
         words = self.exec("redis", 'REDISCLI_AUTH="$(cat /run/secrets/redis_coordinator_password)" redis-cli '
@@ -99,14 +92,7 @@ class Swarm:
         return current
 
     def wait(self, what: str, condition, *, timeout: float, every: float = 1.0):
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs()}")
-            time.sleep(every)
+        return wait_for(what, condition, timeout=timeout, every=every, logs=self.logs)
 
     def logs(self) -> str:
         out = []
