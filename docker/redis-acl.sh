@@ -1,33 +1,47 @@
 #!/bin/sh
-# The redis service's entrypoint under Docker Swarm (docker-stack.yml): its ACL users come from swarm secrets,
-# never from a command line or an environment variable.
+# The redis service's entrypoint (docker-compose.yml, docker-stack.yml): installs Redis's ACL users for the run,
+# so no password is ever on redis-server's command line (which `ps` shows to every user of the host).
 #
-# Each DLC_REDIS_USER_<NAME> variable holds one user's rules (rlcommon/redis_acl.py: keys and commands, not
-# secret); the user's password is the file $DLC_REDIS_SECRETS/redis_<name>_password (default /run/secrets). A
-# user whose rules turn it `on` must have that file. The ACL file written ($DLC_REDIS_ACL_FILE, default
-# /tmp/dlc-users.acl, mode 600) holds each password's sha256, not the password. Then it runs the command it
-# was given with `--aclfile` added: `dlc-redis-acl redis-server --appendonly yes ...`.
+# The users and their rules come from the image's /etc/dlc/redis-users.acl (docker/redis-users.acl, generated
+# from rlcommon/redis_acl.py; $DLC_REDIS_ACL_TEMPLATE overrides the path), for run $DLC_RUN_ID (default
+# `default`). Each user's password is the file $DLC_REDIS_SECRETS/redis_<user>_password (default /run/secrets:
+# Docker Swarm's secrets), else the variable DLC_REDIS_PASSWORD_<USER> (compose); a user whose rules turn it
+# `on` must have one. The ACL file written ($DLC_REDIS_ACL_FILE, default /tmp/dlc-users.acl, mode 600) holds
+# each password's sha256, not the password, and the password variables are unset before the command runs:
+#   dlc-redis-acl redis-server --appendonly yes ...   runs   redis-server --appendonly yes ... --aclfile FILE
 set -eu
+template="${DLC_REDIS_ACL_TEMPLATE:-/etc/dlc/redis-users.acl}"
 secrets="${DLC_REDIS_SECRETS:-/run/secrets}"
 acl="${DLC_REDIS_ACL_FILE:-/tmp/dlc-users.acl}"
+run_id="${DLC_RUN_ID:-default}"
+fail() { echo "dlc-redis-acl: $*" >&2; exit 2; }
+printf %s "$run_id" | grep -Eq '^[A-Za-z0-9_.-]{1,64}$' || fail "DLC_RUN_ID '$run_id': 1-64 of letters, digits, _ . -"
+[ -r "$template" ] || fail "cannot read the users' rules $template"
 umask 077
 : > "$acl"
-names=$(env | sed -n 's/^DLC_REDIS_USER_\([A-Za-z0-9_]*\)=.*/\1/p' | sort)
-[ -n "$names" ] || { echo "dlc-redis-acl: no DLC_REDIS_USER_<NAME> variable: no user to define" >&2; exit 2; }
-for name in $names; do
-    user=$(printf %s "$name" | tr 'A-Z' 'a-z')
-    eval "rules=\$DLC_REDIS_USER_$name"
-    line="user $user $rules"
+count=0
+while IFS= read -r line || [ -n "$line" ]; do
+    case "$line" in ''|'#'*) continue ;; "user "*) ;; *) fail "$template: not a user line: $line" ;; esac
+    rest=${line#user }
+    user=${rest%% *}
+    rules=$(printf %s "${rest#* }" | sed "s/__RUN_ID__/$run_id/g")
     secret="$secrets/redis_${user}_password"
     if [ -r "$secret" ]; then
         password=$(cat "$secret")
-        [ -n "$password" ] || { echo "dlc-redis-acl: $secret is empty" >&2; exit 2; }
-        line="$line #$(printf %s "$password" | sha256sum | cut -d' ' -f1)"
-    elif [ "${rules%% *}" = "on" ]; then
-        echo "dlc-redis-acl: user $user is on but $secret cannot be read (a swarm secret of the service?)" >&2
-        exit 2
+        [ -n "$password" ] || fail "$secret is empty"
+    else
+        upper=$(printf %s "$user" | tr 'a-z' 'A-Z')
+        eval "password=\${DLC_REDIS_PASSWORD_$upper:-}"
     fi
-    printf '%s\n' "$line" >> "$acl"
-done
-echo "dlc-redis-acl: $(echo $names | wc -w) users written to $acl"
+    if [ -n "$password" ]; then
+        rules="$rules #$(printf %s "$password" | sha256sum | cut -d' ' -f1)"
+    elif [ "${rules%% *}" = "on" ]; then
+        fail "user $user is on but has no password: neither $secret nor DLC_REDIS_PASSWORD_$(printf %s "$user" | tr 'a-z' 'A-Z')"
+    fi
+    printf 'user %s %s\n' "$user" "$rules" >> "$acl"
+    count=$((count + 1))
+done < "$template"
+[ "$count" -gt 0 ] || fail "$template defines no user"
+for name in $(env | sed -n 's/^\(DLC_REDIS_PASSWORD_[A-Za-z0-9_]*\)=.*/\1/p'); do unset "$name"; done
+echo "dlc-redis-acl: $count users of run $run_id written to $acl"
 exec "$@" --aclfile "$acl"

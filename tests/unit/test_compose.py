@@ -4,7 +4,6 @@ dependencies resolve, samplers scale, GPU reservations and the CPU override."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -220,16 +219,6 @@ def test_launcher_restarts_services_as_compose_does():
 SERVICE_OF_USER = {"coordinator": "coordinator", "trainer": "trainer", "sampler": "sampler"}
 
 
-def acl_users(command: list[str]) -> dict[str, list[str]]:
-    """The `--user NAME RULE...` directives of a redis-server command line: rules by user name."""
-    users = {}
-    for index, arg in enumerate(command):
-        if arg == "--user":
-            name, *rules = itertools.takewhile(lambda a: not a.startswith("--"), command[index + 1 :])
-            users[name] = rules
-    return users
-
-
 @pytest.mark.parametrize("stack", [BASE, CPU], ids=["gpu", "cpu"])
 def test_no_port_is_published_beyond_this_host(stack):
     for name, service in stack["services"].items():
@@ -244,24 +233,29 @@ def test_the_coordinator_token_is_required():
 
 
 def test_redis_requires_auth_with_the_rules_of_redis_acl():
-    """The redis service's users are rlcommon/redis_acl.py's, each with a required password, and each
-    service logs in as its own user with that password."""
-    from rlcommon.redis_acl import SERVICE_USERS, acl_rules, default_user_rules, service_users
+    """The redis service's users are rlcommon/redis_acl.py's (the image's docker/redis-users.acl), each with a
+    required password, and each service logs in as its own user with that password."""
+    from rlcommon.redis_acl import SERVICE_USERS, acl_file_template
 
-    users = acl_users(BASE["services"]["redis"]["command"])
-    default = [substitute(rule) for rule in users.pop("default")]
-    assert default == default_user_rules(service_users("default")) and default[0] == "off"
-    assert set(users) == set(SERVICE_USERS)
-    for user, tokens in users.items():
-        flag, password, *rules = tokens
-        assert flag == "on" and password.startswith(">")
-        variable = REQUIRED.fullmatch(password[1:])
+    assert (REPO / "docker/redis-users.acl").read_text() == acl_file_template(), \
+        "docker/redis-users.acl is stale: python -m rlcommon.redis_acl > docker/redis-users.acl"
+    redis_service = BASE["services"]["redis"]
+    assert redis_service["entrypoint"] == ["dlc-redis-acl"]
+    env = redis_service["environment"]
+    assert substitute(env["DLC_RUN_ID"]) == "default"
+    for user in SERVICE_USERS:
+        variable = REQUIRED.fullmatch(env[f"DLC_REDIS_PASSWORD_{user.upper()}"])
         assert variable, f"{user}: the password must be a required variable"
-        assert [substitute(rule) for rule in rules] == acl_rules(user, "default"), user
         url = BASE["services"][SERVICE_OF_USER[user]]["environment"]["DLC_REDIS__URL"]
         assert substitute(url) == f"redis://{user}:{required_value(variable.group(1))}@redis:6379/0"
-    assert "DLC_REDIS__URL" not in BASE["services"]["redis"].get("environment", {})
-    assert "--user coordinator" in BASE["services"]["redis"]["healthcheck"]["test"][1]
+    assert "DLC_REDIS__URL" not in env
+    assert "--user coordinator" in redis_service["healthcheck"]["test"][1]
+
+
+def test_no_password_is_on_the_redis_command_line():
+    """A command line is readable by every user of the host (ps): redis-server's holds no user and no password."""
+    command = " ".join(BASE["services"]["redis"]["command"])
+    assert "--user" not in command and ">" not in command and "PASSWORD" not in command, command
 
 
 def test_the_redis_healthcheck_takes_its_password_from_the_environment_not_its_command_line():
@@ -283,7 +277,9 @@ def redis_healthcheck(port: int) -> str:
 
 
 def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rules(tmp_path):
-    """Run the redis service's command line (its interpolated `--user` directives) on the local redis-server."""
+    """Run the redis service as its container does (docker/redis-acl.sh with the service's environment, then its
+    command) on the local redis-server: the rules hold, and neither the server's command line nor its
+    environment holds a password."""
     import subprocess
     import time
 
@@ -293,10 +289,15 @@ def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rul
     from rlcommon.bus import stream_key
     from rlcommon.embedded_redis import find_redis_server
 
-    command = [substitute(arg) for arg in BASE["services"]["redis"]["command"]]
+    service = BASE["services"]["redis"]
+    command = [substitute(arg) for arg in service["command"]]
     port = free_port()
-    args = [find_redis_server(), *command[1:], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
-    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    env = {"PATH": os.environ["PATH"], "DLC_REDIS_ACL_TEMPLATE": str(REPO / "docker/redis-users.acl"),
+           "DLC_REDIS_SECRETS": str(tmp_path / "no-secrets"), "DLC_REDIS_ACL_FILE": str(tmp_path / "users.acl"),
+           **{k: substitute(v) for k, v in service["environment"].items()}}
+    args = ["sh", str(REPO / "docker/redis-acl.sh"), find_redis_server(), *command[1:], "--port", str(port),
+            "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    server = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         sampler = redis.Redis(port=port, username="sampler", password=required_value("DLC_REDIS_SAMPLER_PASSWORD"),
                               protocol=2)
@@ -312,9 +313,17 @@ def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rul
             sampler.xadd(stream_key("default", "tasks"), {b"d": b"forged"})
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, protocol=2).ping()
+        # The entrypoint exec'd redis-server: what `ps` and /proc show of it holds no password.
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().decode()
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().decode()
+        assert "redis-server" in cmdline  # (Redis sets its process title over its arguments once it runs)
+        for user in ("COORDINATOR", "TRAINER", "SAMPLER"):
+            secret = required_value(f"DLC_REDIS_{user}_PASSWORD")
+            assert secret not in cmdline and f"DLC_REDIS_PASSWORD_{user}" not in environ
+            assert secret not in (tmp_path / "users.acl").read_text()  # its sha256 only
         # The healthcheck, as the container runs it: healthy with the container's REDISCLI_AUTH, not without.
         check = redis_healthcheck(port)
-        env = {**os.environ, **{k: substitute(v) for k, v in BASE["services"]["redis"]["environment"].items()}}
+        env = {**os.environ, **{k: substitute(v) for k, v in service["environment"].items()}}
         assert subprocess.run(check, shell=True, env=env, timeout=30).returncode == 0
         env.pop("REDISCLI_AUTH")
         assert subprocess.run(check, shell=True, env=env, timeout=30).returncode != 0

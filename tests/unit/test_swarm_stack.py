@@ -17,7 +17,7 @@ import redis
 import yaml
 
 from rlcommon.config import ConfigError, RunConfig, load_config
-from rlcommon.redis_acl import SERVICE_USERS, acl_rules, default_user_rules, service_users
+from rlcommon.redis_acl import SERVICE_USERS
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRYPOINT = REPO / "docker/redis-acl.sh"
@@ -119,14 +119,11 @@ def test_head_services_are_placed_by_label_and_every_service_resolves_by_dns_rou
     assert STACK["services"]["trainer"]["deploy"]["restart_policy"]["condition"] == "on-failure"
 
 
-def test_the_stacks_redis_users_are_those_of_redis_acl():
-    env = env_of(STACK, "redis")
-    users = {k.removeprefix("DLC_REDIS_USER_").lower(): v.split() for k, v in env.items() if k.startswith("DLC_REDIS_USER_")}
-    assert users.pop("default") == default_user_rules(service_users("default"))
-    assert set(users) == set(SERVICE_USERS)
-    for user, rules in users.items():
-        assert rules[0] == "on" and rules[1:] == acl_rules(user, "default"), user
-    assert set(secret_targets(STACK["services"]["redis"])) == {f"redis_{u}_password" for u in SERVICE_USERS}
+def test_the_stacks_redis_takes_its_users_from_the_image_and_its_passwords_from_secrets():
+    redis_service = STACK["services"]["redis"]
+    assert redis_service["entrypoint"] == ["dlc-redis-acl"]
+    assert env_of(STACK, "redis") == {"DLC_RUN_ID": "default"}  # the rules: the image's docker/redis-users.acl
+    assert set(secret_targets(redis_service)) == {f"redis_{u}_password" for u in SERVICE_USERS}
 
 
 def test_the_images_of_the_stack_are_the_ones_compose_builds():
@@ -141,6 +138,7 @@ def test_the_images_of_the_stack_are_the_ones_compose_builds():
 
 def run_entrypoint(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
     full = {"PATH": os.environ["PATH"], "DLC_REDIS_SECRETS": str(tmp_path / "secrets"),
+            "DLC_REDIS_ACL_TEMPLATE": str(REPO / "docker/redis-users.acl"),
             "DLC_REDIS_ACL_FILE": str(tmp_path / "users.acl"), **env}
     return subprocess.Popen(["sh", str(ENTRYPOINT), *args], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -198,14 +196,20 @@ def test_the_redis_entrypoint_builds_the_users_from_secret_files_and_redis_enfor
         server.wait(timeout=10)
 
 
-def test_the_redis_entrypoint_refuses_a_user_that_is_on_without_its_secret(tmp_path):
+def test_the_redis_entrypoint_refuses_a_user_that_is_on_without_its_password(tmp_path):
     (tmp_path / "secrets").mkdir()
-    proc = run_entrypoint(tmp_path, {"DLC_REDIS_USER_TRAINER": "on ~x +ping"}, "true")
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 2 and "user trainer is on but" in out and "redis_trainer_password" in out
     proc = run_entrypoint(tmp_path, {}, "true")
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 2 and "no DLC_REDIS_USER_<NAME>" in out
+    assert proc.returncode == 2 and "user coordinator is on but has no password" in out, out
+    assert "redis_coordinator_password nor DLC_REDIS_PASSWORD_COORDINATOR" in out
+    proc = run_entrypoint(tmp_path, {"DLC_RUN_ID": "a/b", **{f"DLC_REDIS_PASSWORD_{u.upper()}": "x" for u in SERVICE_USERS}},
+                          "true")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "DLC_RUN_ID 'a/b'" in out, out
+    (tmp_path / "bad.acl").write_text("default off\n")
+    proc = run_entrypoint(tmp_path, {"DLC_REDIS_ACL_TEMPLATE": str(tmp_path / "bad.acl")}, "true")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "not a user line" in out, out
 
 
 def test_a_password_in_the_url_and_in_redis_password_is_refused():
