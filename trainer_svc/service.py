@@ -339,6 +339,9 @@ class TrainerService:
         expected_id = slot_rollout_id(rollout.batch_id, rollout.group_id, rollout.sample_index)
         if rollout.rollout_id != expected_id:
             return f"rollout_id {rollout.rollout_id!r} does not name its plan slot (expected {expected_id!r})"
+        if rollout.version_runs:  # its lag correction would be wrong for every token after the first change
+            return (f"its response spans weight versions {list(rollout.versions)}: this trainer corrects each "
+                    "rollout at one version (per-token versions are not trained yet)")
         version = rollout.weight_version
         if version > self.train_step.weight_version:
             if version > self.published_version:

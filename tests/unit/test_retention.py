@@ -187,3 +187,8 @@ def test_the_trainer_refuses_a_superseded_rollout_past_the_cap_and_trains_the_re
     assert problem(2, 11) is None
     assert problem(0, 8) == "weight_version 0 is no longer kept by the trainer"
     assert problem(1, 3) is None  # an already trained batch: dropped as a duplicate, not refused
+    spanning = dataclasses.replace(make_rollouts(num_groups=1, weight_version=1)[0], batch_id=8,
+                                   rollout_id=slot_rollout_id(8, 0, 0), version_runs=(1, 2))
+    assert service.rollout_problem(spanning, horizon=12) == (
+        "its response spans weight versions [1, 2]: this trainer corrects each rollout at one version "
+        "(per-token versions are not trained yet)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 
 import msgpack
 import numpy as np
@@ -14,6 +15,7 @@ from rlcommon.wire import (
     LOGPROB_TOLERANCE,
     MAX_DICT_ITEMS,
     MAX_ID_CHARS,
+    MAX_VERSION_CHANGES,
     SCHEMA_VERSION,
     Rollout,
     Task,
@@ -328,6 +330,48 @@ def test_task_sample_indices_round_trip_and_are_optional():
     assert old.sample_indices == () and old.indices_to_sample == (0, 1, 2, 3)
     plain["sample_indices"] = []
     assert decode(repack(plain), expected=Task).indices_to_sample == (0, 1, 2, 3)
+
+
+def test_rollout_version_runs_round_trip_and_give_each_tokens_version():
+    """An in-flight update: tokens 0-2 by version 4 (weight_version, the oldest), 3-5 by 6, 6-7 by 7."""
+    rollout = make_rollout(num_tokens=8, version_runs=(3, 6, 6, 7))
+    out = decode(encode(rollout), expected=Rollout)
+    assert out.version_runs == (3, 6, 6, 7) and out.versions == (4, 6, 7)
+    assert out.token_versions().tolist() == [4, 4, 4, 6, 6, 6, 7, 7]
+    assert wire_dict(rollout)["version_runs"] == [3, 6, 6, 7]
+    # One version throughout: the field is not sent, so an older decoder reads the same message as before.
+    plain = wire_dict(make_rollout(num_tokens=8))
+    assert "version_runs" not in plain
+    old = decode(repack(plain), expected=Rollout)
+    assert old.version_runs == () and old.versions == (4,) and old.token_versions().tolist() == [4] * 8
+
+
+@pytest.mark.parametrize(
+    ("runs", "reason"),
+    [
+        ((3,), "pairs"),
+        ((0, 6), "token indices must be in [1, 8)"),
+        ((8, 6), "token indices must be in [1, 8)"),
+        ((3, 6, 3, 7), "token indices must ascend strictly"),
+        ((3, 4), "versions must ascend strictly from weight_version 4"),
+        ((3, 6, 5, 5), "versions must ascend strictly"),
+        ((3, 2), "versions must ascend strictly"),
+    ],
+)
+def test_bad_version_runs_are_refused_with_a_reason(runs, reason):
+    with pytest.raises(WireError, match=re.escape(reason)) as err:
+        validate(make_rollout(num_tokens=8, version_runs=runs))
+    assert err.value.field == "version_runs"
+    body = wire_dict(make_rollout(num_tokens=8))
+    body["version_runs"] = list(runs)
+    assert expect_error(repack(body), "version_runs").reason.startswith(err.value.reason[:20])
+
+
+def test_more_version_changes_than_the_limit_are_refused_before_they_are_read():
+    n = MAX_VERSION_CHANGES + 1
+    body = wire_dict(make_rollout(num_tokens=2 * n + 2))
+    body["version_runs"] = [x for i in range(1, n + 1) for x in (i, 4 + i)]
+    expect_error(repack(body), "version_runs")
 
 
 @pytest.mark.parametrize(
@@ -661,7 +705,9 @@ def test_the_largest_legal_rollout_fits_the_derived_max_message_bytes(limits):
         topk_ids=response[:, None] + np.arange(k, dtype=np.int32) * r,
         rollout_id=longest_id, sampler_id=longest_id, finish_reason=longest_id,
         timings={"\U0001f600" * (MAX_ID_CHARS - 3) + f"{i:03d}": 1e300 for i in range(MAX_DICT_ITEMS)},
-        batch_id=2**63 - 1, group_id=2**63 - 1, sample_index=2**63 - 1, weight_version=2**63 - 1,
+        batch_id=2**63 - 1, group_id=2**63 - 1, sample_index=2**63 - 1, weight_version=2**63 - 1 - MAX_VERSION_CHANGES,
+        version_runs=tuple(x for i in range(1, min(MAX_VERSION_CHANGES, r - 1) + 1)
+                           for x in (r - min(MAX_VERSION_CHANGES, r - 1) - 1 + i, 2**63 - 1 - MAX_VERSION_CHANGES + i)),
     )
     data = encode(msg)
     assert decode(data, limits=limits).response_ids.shape == (r,)
