@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -45,13 +46,38 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports on 127.0.0.1: all bound at once before any is released, so two picks of one
-    stack never get the same port (a dashboard and a redis-server once did, picked one after the other)."""
+    """`count` distinct free ports on 127.0.0.1, below the kernel's ephemeral range: all bound at once before
+    any is released, so two picks of one stack never get the same port (a dashboard and a redis-server once did,
+    picked one after the other), and outside the range the kernel hands out for outgoing connections and port-0
+    listeners, so that none of those takes a picked port before its service binds it (a weight server once
+    found its port taken: `address already in use`)."""
+    low, high = _PICK_RANGE
+    ephemeral_low = _ephemeral_low()
+    if ephemeral_low is not None and ephemeral_low - 1 > low:
+        high = min(high, ephemeral_low - 1)
     with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
+        ports: list[int] = []
+        for port in random.sample(range(low, high + 1), high + 1 - low):
+            sock = held.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise OSError(f"no {count} free ports on 127.0.0.1 in [{low}, {high}]")
+
+
+_PICK_RANGE = (20000, 32767)
+"""Where free_ports picks: below Linux's default ephemeral range (32768-60999)."""
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def placement_env(cfg: RunConfig, visible: VisibleGpus | None = None) -> dict[str, str]:

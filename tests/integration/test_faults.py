@@ -50,7 +50,7 @@ from tests.integration.stacks import stack_config
 from trainer_svc.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 80  # a step takes ~0.2 s here: enough steps for every fault to land while the run goes on
+STEPS = 120  # a step takes 0.1-0.2 s here: enough steps for every fault to land while the run goes on
 B, G = 4, 2
 RUN_ID = "faults"
 CHECKPOINT_EVERY = 8

@@ -89,7 +89,13 @@ def test_a_read_flood_neither_starves_heartbeats_nor_the_run(tmp_path):
             thread.join(60)
         asyncio.run(asyncio.wait_for(hammer_once(stack.address, anonymous), 30))
         seen["batches"] = dlcctl_batches(stack)
-        seen["gauges"] = scrape_gauges(stack.log_dir / "coordinator.log")
+        # The gauges are refreshed periodically: wait for a refresh after the last answered call.
+        deadline = time.monotonic() + 60
+        while True:
+            seen["gauges"] = scrape_gauges(stack.log_dir / "coordinator.log")
+            if seen["gauges"].get("read_calls", 0) >= codes["OK"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         seen["coordinator_log"] = (stack.log_dir / "coordinator.log").read_text()
 
     async def hammer_once(address: str, counter: Counter) -> None:
