@@ -10,13 +10,12 @@ verified (shared storage or the weight channel, rlcommon/weight_store.py).
   packed copy is rebuilt (`refresh_tied_lm_head`).
 
 The folder is verified against its manifest before `start_weight_update` (sampler_svc/engine.py), so the engine
-reads only files whose hashes were checked. Registered under BACKEND when this module is imported, which vLLM's
+reads only files whose hashes were checked. Registered under vllm_names.TRANSFER_BACKEND when this module is imported, which vLLM's
 worker does through sampler_svc/vllm_worker.py (its `worker_extension_cls`) before it loads the model.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from sampler_svc.vllm_names import TRANSFER_BACKEND
 
-__all__ = ["BACKEND", "VersionFolderEngine", "refresh_tied_lm_head", "register"]
-
-logger = logging.getLogger(__name__)
-
-BACKEND = TRANSFER_BACKEND
+__all__ = ["VersionFolderEngine", "refresh_tied_lm_head", "register"]
 
 
 @dataclass
@@ -127,8 +122,8 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
 
 def register() -> None:
     """Register the engine with vLLM's factory (once per process; a forked engine process inherits it)."""
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, VersionFolderEngine)
+    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, VersionFolderEngine)
 
 
 register()
