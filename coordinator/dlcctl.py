@@ -33,6 +33,7 @@ import grpc
 from google.protobuf.message import Message
 
 from protos import coordinator_pb2 as pb
+from rlcommon.config import ConfigError, read_secret_file
 from rlcommon.rpc import CoordinatorClient
 
 __all__ = ["main", "message_to_dict", "build_parser"]
@@ -349,13 +350,11 @@ def _secret(*names: str) -> str | None:
     for name in names:
         if os.environ.get(name):
             return os.environ[name]
-        path = os.environ.get(f"{name}_FILE")
-        if path:
+        if os.environ.get(f"{name}_FILE"):
             try:
-                with open(path) as handle:
-                    return handle.read().removesuffix("\n")
-            except OSError as err:
-                raise SystemExit(f"dlcctl: {name}_FILE: cannot read {path!r}: {err.strerror or err}") from None
+                return read_secret_file(f"{name}_FILE", os.environ[f"{name}_FILE"])
+            except ConfigError as err:
+                raise SystemExit(f"dlcctl: {err}") from None
     return None
 
 

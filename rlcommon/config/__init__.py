@@ -34,6 +34,7 @@ from rlcommon.config.loading import (
     env_overrides,
     load_config,
     parse_overrides,
+    read_secret_file,
 )
 from rlcommon.config.model import ModelConfig, TaskConfig
 from rlcommon.config.placement import PlacementConfig
@@ -53,6 +54,7 @@ from rlcommon.config.wire_limits import WireLimits, derived_max_message_bytes
 
 __all__ = [
     "ConfigError",
+    "read_secret_file",
     "StrictModel",
     "RedisConfig",
     "BusConfig",

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ValidationError
 from rlcommon.config.base import ConfigError
 from rlcommon.config.run import RunConfig
 
-__all__ = ["ENV_PREFIX", "build_config", "dump_toml", "env_overrides", "load_config", "parse_overrides"]
+__all__ = ["ENV_PREFIX", "build_config", "dump_toml", "env_overrides", "load_config", "parse_overrides",
+           "read_secret_file"]
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -108,10 +109,7 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
         if ("__" not in key and key not in _TOP_LEVEL_ENV) or raw == "":
             continue  # not a config variable, or set empty (compose's `${VAR:-}`): leave the default
         if key.endswith(_FILE_SUFFIX) and "__" in key:
-            try:
-                raw = Path(raw).read_text().removesuffix("\n")
-            except OSError as err:
-                raise ConfigError(f"{name}: cannot read the secret file {raw!r}: {err.strerror or err}") from None
+            raw = read_secret_file(name, raw)
             key = key[: -len(_FILE_SUFFIX)]
             node = out
             parts = key.replace("__", ".").split(".")
@@ -126,6 +124,15 @@ def env_overrides(environ: dict[str, str] | os._Environ[str] | None = None) -> d
             node = node.setdefault(part, {})
         node[parts[-1]] = _parse_scalar(raw)
     return out
+
+
+def read_secret_file(variable: str, path: str) -> str:
+    """The secret in file `path`, named by environment variable `variable` (a NAME_FILE): its content without the
+    trailing newline; a file that cannot be read is a ConfigError naming the variable."""
+    try:
+        return Path(path).read_text().removesuffix("\n")
+    except OSError as err:
+        raise ConfigError(f"{variable}: cannot read the secret file {path!r}: {err.strerror or err}") from None
 
 
 _TOP_LEVEL_ENV = {"run_dir", "steps", "num_samplers"}
