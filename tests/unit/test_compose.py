@@ -281,34 +281,21 @@ def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rul
     command) on the local redis-server: the rules hold, and neither the server's command line nor its
     environment holds a password."""
     import subprocess
-    import time
 
     import redis
 
-    from launcher.processes import free_port
     from rlcommon.bus import stream_key
-    from rlcommon.embedded_redis import find_redis_server
+    from tests.unit.redis_service import first_write, start_redis_service
 
     service = BASE["services"]["redis"]
     command = [substitute(arg) for arg in service["command"]]
-    port = free_port()
-    env = {"PATH": os.environ["PATH"], "DLC_REDIS_ACL_TEMPLATE": str(REPO / "docker/redis-users.acl"),
-           "DLC_REDIS_SECRETS": str(tmp_path / "no-secrets"), "DLC_REDIS_ACL_FILE": str(tmp_path / "users.acl"),
+    env = {"DLC_REDIS_SECRETS": str(tmp_path / "no-secrets"),
            **{k: substitute(v) for k, v in service["environment"].items()}}
-    args = ["sh", str(REPO / "docker/redis-acl.sh"), find_redis_server(), *command[1:], "--port", str(port),
-            "--bind", "127.0.0.1", "--dir", str(tmp_path)]
-    server = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    server, port = start_redis_service(tmp_path, env, command)
     try:
         sampler = redis.Redis(port=port, username="sampler", password=required_value("DLC_REDIS_SAMPLER_PASSWORD"),
                               protocol=2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                sampler.xadd(stream_key("default", "rollouts"), {b"d": b"x"})
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline and server.poll() is None, "redis-server did not start"
-                time.sleep(0.05)
+        first_write(sampler, stream_key("default", "rollouts"), server, tmp_path / "redis.log")
         with pytest.raises(redis.exceptions.NoPermissionError):
             sampler.xadd(stream_key("default", "tasks"), {b"d": b"forged"})
         with pytest.raises(redis.AuthenticationError):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,9 @@ import yaml
 
 from rlcommon.config import ConfigError, RunConfig, load_config
 from rlcommon.redis_acl import SERVICE_USERS
+from tests.unit.redis_service import first_write, run_entrypoint, start_redis_service
 
 REPO = Path(__file__).resolve().parents[2]
-ENTRYPOINT = REPO / "docker/redis-acl.sh"
 SECRETS = ["dlc_token", "dlc_dashboard_token", "redis_coordinator_password", "redis_trainer_password",
            "redis_sampler_password"]
 
@@ -136,16 +135,7 @@ def test_the_images_of_the_stack_are_the_ones_compose_builds():
 # ------------------------------------------------------------------------------ docker/redis-acl.sh, for real
 
 
-def run_entrypoint(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
-    full = {"PATH": os.environ["PATH"], "DLC_REDIS_SECRETS": str(tmp_path / "secrets"),
-            "DLC_REDIS_ACL_TEMPLATE": str(REPO / "docker/redis-users.acl"),
-            "DLC_REDIS_ACL_FILE": str(tmp_path / "users.acl"), **env}
-    return subprocess.Popen(["sh", str(ENTRYPOINT), *args], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
 def test_the_redis_entrypoint_builds_the_users_from_secret_files_and_redis_enforces_them(tmp_path):
-    from launcher.processes import free_port
     from rlcommon.bus import stream_key
     from rlcommon.embedded_redis import find_redis_server
 
@@ -154,20 +144,11 @@ def test_the_redis_entrypoint_builds_the_users_from_secret_files_and_redis_enfor
     for user, password in passwords.items():
         (tmp_path / "secrets" / f"redis_{user}_password").write_text(password + "\n")
     env = {k: substitute(str(v)) for k, v in STACK["services"]["redis"]["environment"].items()}
-    port = free_port()
     command = [substitute(a) for a in STACK["services"]["redis"]["command"]]
-    server = run_entrypoint(tmp_path, env, find_redis_server(), *command[1:], "--port", str(port),
-                            "--bind", "127.0.0.1", "--dir", str(tmp_path))
+    server, port = start_redis_service(tmp_path, env, command)
     try:
         sampler = redis.Redis(port=port, username="sampler", password=passwords["sampler"], protocol=2)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                sampler.xadd(stream_key("default", "rollouts"), {b"d": b"x"})
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline and server.poll() is None, server.stdout.read() if server.poll() is not None else "no start"
-                time.sleep(0.05)
+        first_write(sampler, stream_key("default", "rollouts"), server, tmp_path / "redis.log")
         with pytest.raises(redis.exceptions.NoPermissionError):
             sampler.xadd(stream_key("default", "tasks"), {b"d": b"forged"})
         with pytest.raises(redis.AuthenticationError):
