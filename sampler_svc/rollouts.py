@@ -86,9 +86,11 @@ def build_rollouts(
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            version_runs=sample.version_runs,
             timings={
                 "queue_s": sample.queue_s,
                 "generate_s": sample.generate_s,
+                **({"reissues": float(sample.reissues)} if sample.reissues else {}),
                 "reward_s": time.perf_counter() - started,
                 "done_at": time.time(),  # wall clock: the trainer's receipt minus this is the bus latency
             },
@@ -107,9 +109,10 @@ async def generate_rollouts(
 ) -> list[Rollout]:
     """Sample the task's G = group_size responses with one engine request and build their rollouts.
 
-    All G samples come from one weight version (the engine swaps weights only between requests). A task
-    that names its `sample_indices` (re-issued slots) gets one request per index i, seeded `seed + i` as
-    sample i of the whole group is; those samples may come from different versions (each rollout says which).
+    The G samples start at one weight version; with in-flight (`keep`) updates each may change version inside its
+    response (each rollout says where). A task that names its `sample_indices` (re-issued slots) gets one
+    request per index i, seeded `seed + i` as sample i of the whole group is; those samples may come from
+    different versions (each rollout says which).
     """
     seed = task_seed(engine.sampler_cfg.seed, task.task_id)
     if task.sample_indices:

@@ -39,7 +39,7 @@ from rlcommon.config.loading import (
 from rlcommon.config.model import ModelConfig, TaskConfig
 from rlcommon.config.placement import PlacementConfig
 from rlcommon.config.run import RunConfig
-from rlcommon.config.sampler import SamplerConfig, SamplingConfig
+from rlcommon.config.sampler import SamplerConfig, SamplingConfig, UpdateMode
 from rlcommon.config.tracking import TrackerName, TrackingConfig
 from rlcommon.config.trainer import (
     METHODS,
@@ -64,6 +64,7 @@ __all__ = [
     "WireLimits",
     "derived_max_message_bytes",
     "SamplerConfig",
+    "UpdateMode",
     "Method",
     "METHODS",
     "CorrectionConfig",

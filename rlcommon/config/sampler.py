@@ -9,7 +9,9 @@ from pydantic import Field, model_validator
 
 from rlcommon.config.base import StrictModel
 
-__all__ = ["SamplingConfig", "SamplerConfig"]
+__all__ = ["SamplingConfig", "SamplerConfig", "UpdateMode"]
+
+UpdateMode = Literal["wait", "keep", "abort"]
 
 
 class SamplingConfig(StrictModel):
@@ -57,6 +59,13 @@ class SamplerConfig(StrictModel):
     imported vLLM and run no torch computation yet: no second import, 13-16 s off the first step here) or
     `spawn` (vLLM's CPU default: a fresh interpreter that imports vLLM again). See sampler_svc/engine_process.py.
     On GPU vLLM decides (fork unless CUDA is initialized)."""
+    update_mode: UpdateMode = "wait"
+    """What a weight update does to the requests in flight (sampler_svc/engine.py). `wait`: the load waits for
+    them to finish (every response by one version; the engine idles while the slowest drains). `keep`: they are
+    paused where they are, the weights load, and they go on with the new ones and their KV cache (vLLM
+    `pause_generation(mode="keep", clear_cache=False)`): one response then holds tokens of several versions, each
+    recorded (`Rollout.version_runs`) and corrected by the trainer at its own version. `abort`: they are aborted
+    and re-issued whole at the new version, with the same seeds and rollout ids."""
     seed: int = Field(0, ge=0)
     """Base seed; per-request seeds derive from it and the task id."""
     metrics_port: int | None = Field(None, ge=0, le=65535)

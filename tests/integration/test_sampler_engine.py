@@ -376,3 +376,130 @@ def test_inflight_requests_finish_on_old_weights(sampler_engine, publish_dir):
     for sample in before + during:
         model_dir = sampler_engine.version_dirs[sample.weight_version]
         assert logprob_gaps(model_dir, prompt, sample).max() < LOGPROB_ATOL
+
+
+# ------------------------------------------------------------------------------ in-flight updates (keep, abort)
+
+LONG_TOKENS = 96
+"""Responses long enough (about a second of decoding here) for a weight update to land in the middle of them."""
+UPDATE_ATTEMPTS = 6
+"""Scenarios tried, each with a new version, until one update lands inside a response (the condition waited on)."""
+
+
+def publish_head_perturbed(source_dir: Path, publish_dir: Path, weight_version: int) -> Path:
+    """Publish `source_dir`'s weights with only the final norm perturbed, as `weight_version`.
+
+    Every key and value the layers compute is the same for both versions, so a request that goes on with the
+    new weights over the KV cache of the old ones (a `keep` update) samples each later token exactly from the
+    new version's own distribution: every token's logprob can be checked against the forward of its version.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1000 + weight_version)
+    with torch.no_grad():
+        norm = model.model.norm.weight
+        norm.mul_(1 + 4 * PERTURB_SCALE * torch.randn(norm.shape, generator=generator))
+    published = publish_version(model, publish_dir=publish_dir, weight_version=weight_version, step=weight_version,
+                                source_dir=source_dir)
+    return Path(published.path)
+
+
+def token_versions(sample) -> np.ndarray:
+    versions = np.full(len(sample.response_ids), sample.weight_version)
+    for start, version in zip(sample.version_runs[0::2], sample.version_runs[1::2], strict=True):
+        versions[start:] = version
+    return versions
+
+
+def sampled_logprobs_at(model_dir: Path, prompt, sample) -> np.ndarray:
+    full = trainer_logprobs(model_dir, prompt, sample.response_ids)
+    return full[np.arange(len(sample.response_ids)), sample.response_ids]
+
+
+def update_in_flight(runner, prompt, *, seed: int, mode: str, publish) -> tuple[list, list, int]:
+    """One request of 4 long samples in flight, a `mode` update to a new version published by `publish`, and a
+    request sent during the update: (samples in flight, samples sent during it, the new version)."""
+    engine = runner.engine
+    new_version = engine.weight_version + 1
+    new_dir = publish(served_dir(runner), runner.publish_root, new_version)
+    runner.version_dirs[new_version] = new_dir
+    long = SamplingConfig(max_tokens=LONG_TOKENS, logprobs_topk=engine.sampling_cfg.logprobs_topk)
+
+    async def scenario():
+        before = asyncio.ensure_future(engine.generate(prompt, num_samples=4, seed=seed, sampling=long))
+        while engine.inflight_requests == 0:
+            await asyncio.sleep(0.001)
+        reload = asyncio.ensure_future(engine.reload_weights(new_dir, weight_version=new_version, mode=mode))
+        while not engine.swapping and not reload.done():
+            await asyncio.sleep(0.001)
+        during = asyncio.ensure_future(engine.generate(prompt, num_samples=2, seed=seed + 100, sampling=long))
+        return await before, await reload, await during
+
+    before, reloaded, during = runner.run(scenario())
+    assert reloaded == new_version == engine.weight_version
+    return before, during, new_version
+
+
+@pytest.fixture
+def update_runner(sampler_engine, publish_dir):
+    sampler_engine.publish_root = publish_dir
+    return sampler_engine
+
+
+def test_keep_update_lands_in_flight_and_each_token_carries_the_version_that_sampled_it(update_runner):
+    """`keep`: the request in flight is not drained; its tokens after the switch come from the new weights, and
+    the recorded runs say exactly where: each token's logprob equals its own version's forward (within the
+    float32 tolerance of the engine-vs-trainer match), and the two versions differ on either side of the switch
+    by far more than that tolerance, so a run starting one token early or late fails."""
+    runner = update_runner
+    prompt = prompts(served_dir(runner), 1)[0]
+    for attempt in range(UPDATE_ATTEMPTS):
+        old_version = runner.engine.weight_version
+        before, during, new_version = update_in_flight(runner, prompt, seed=61 + attempt, mode="keep",
+                                                       publish=publish_head_perturbed)
+        assert {s.weight_version for s in during} == {new_version} and all(not s.version_runs for s in during)
+        for sample in before + during:
+            versions = token_versions(sample)
+            assert set(versions.tolist()) <= {old_version, new_version}
+            assert sample.reissues == 0
+            for version in set(versions.tolist()):
+                own = sampled_logprobs_at(runner.version_dirs[version], prompt, sample)
+                at = versions == version
+                gap = np.abs(own[at] - sample.sampler_logprobs[at]).max()
+                assert gap < LOGPROB_ATOL, f"tokens labelled v{version}: max gap {gap} to that version's forward"
+        switched = [s for s in before if s.version_runs]
+        if switched:
+            break
+    else:
+        pytest.fail(f"no keep update landed inside a response in {UPDATE_ATTEMPTS} tries")
+    for sample in switched:
+        assert sample.weight_version == old_version and sample.version_runs[1] == new_version
+        start = sample.version_runs[0]
+        assert 0 < start < len(sample.response_ids)
+        old = sampled_logprobs_at(runner.version_dirs[old_version], prompt, sample)
+        new = sampled_logprobs_at(runner.version_dirs[new_version], prompt, sample)
+        assert np.abs(old - new)[start - 1 : start + 1].min() > 10 * LOGPROB_ATOL, "the versions must differ here"
+
+
+def test_abort_update_reissues_the_request_in_flight_at_the_new_version(update_runner):
+    """`abort`: the request in flight is dropped and sent again once the new weights are in; every sample it
+    returns is of the new version alone and matches that version's forward."""
+    runner = update_runner
+    prompt = prompts(served_dir(runner), 1)[0]
+    reissued_before = runner.engine.reissued_requests
+    for attempt in range(UPDATE_ATTEMPTS):
+        before, during, new_version = update_in_flight(runner, prompt, seed=71 + attempt, mode="abort",
+                                                       publish=publish_perturbed)
+        for sample in before + during:
+            assert not sample.version_runs
+            assert logprob_gaps(runner.version_dirs[sample.weight_version], prompt, sample).max() < LOGPROB_ATOL
+        if before[0].reissues:
+            break
+    else:
+        pytest.fail(f"no abort update landed inside a request in {UPDATE_ATTEMPTS} tries")
+    assert {s.reissues for s in before} == {before[0].reissues} and {s.weight_version for s in before} == {new_version}
+    assert [s.seed for s in before] == [71 + attempt + i for i in range(4)]
+    assert runner.engine.reissued_requests > reissued_before
+    assert all(s.reissues == 0 for s in during)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,10 @@ import pytest
 from rlcommon.config import SamplerConfig, SamplingConfig
 from rlcommon.plan_ids import rollout_id
 from rlcommon.weight_store import WeightsError, check_compatible, load_version, publish_version
-from rlcommon.wire import Task, WireError
+from rlcommon.wire import MAX_VERSION_CHANGES, Rollout, Task, WireError, decode, encode
 from sampler_svc.engine import EngineError, Sample, SamplerEngine, _VersionGate
 from sampler_svc.rollouts import build_rollouts, generate_rollouts, task_seed
+from sampler_svc.version_runs import VersionSpanError, version_runs
 
 # ------------------------------------------------------------------------------------------ version gate
 
@@ -61,6 +63,99 @@ def test_swap_waits_for_inflight_and_holds_new_requests():
     assert events == ["first start", "first end", "swap", "second start", "second end"]
 
 
+def test_a_swap_that_does_not_drain_holds_new_requests_but_not_those_in_flight():
+    """keep / abort updates: the swap runs while a request is in flight; a request sent meanwhile waits for it."""
+    events: list[str] = []
+
+    async def scenario():
+        gate = _VersionGate()
+        first_in, release_first, swap_in, release_swap = (asyncio.Event() for _ in range(4))
+
+        async def request(name: str, started: asyncio.Event | None = None, release: asyncio.Event | None = None):
+            async with gate.shared():
+                events.append(f"{name} start")
+                if started is not None:
+                    started.set()
+                if release is not None:
+                    await release.wait()
+                events.append(f"{name} end")
+
+        async def swap():
+            async with gate.exclusive(drain=False):
+                events.append("swap")
+                swap_in.set()
+                await release_swap.wait()
+
+        first = asyncio.create_task(request("first", first_in, release_first))
+        await first_in.wait()
+        swapping = asyncio.create_task(swap())
+        await swap_in.wait()
+        assert gate.swapping and gate.active == 1, "the swap runs with the first request still in flight"
+        second = asyncio.create_task(request("second"))
+        release_first.set()
+        await first
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert "second start" not in events, "a new request waits for the swap"
+        release_swap.set()
+        await asyncio.gather(swapping, second)
+
+    asyncio.run(scenario())
+    assert events == ["first start", "swap", "first end", "second start", "second end"]
+
+
+# ------------------------------------------------------------------------------- token versions (vLLM spans)
+
+
+@dataclass
+class Span:
+    version: str
+    start: int
+    end: int
+
+
+def test_version_runs_reads_vllm_spans_as_the_wires_runs():
+    spans = [Span("3", 0, 5), Span("4", 5, 9), Span("6", 9, 12)]
+    first, runs = version_runs(spans, length=12, submitted_at=3, serving=6, may_change=True, may_start_later=True)
+    assert (first, runs) == (3, (5, 4, 9, 6))
+    rollout_versions = np.full(12, first)
+    for start, version in zip(runs[0::2], runs[1::2], strict=True):
+        rollout_versions[start:] = version
+    assert rollout_versions.tolist() == [3] * 5 + [4] * 4 + [6] * 3
+    # One span, no label or an empty response: one version.
+    assert version_runs([Span("3", 0, 4)], length=4, submitted_at=3, serving=3, may_change=False,
+                        may_start_later=False) == (3, ())
+    assert version_runs(None, length=4, submitted_at=3, serving=3, may_change=False, may_start_later=False) == (3, ())
+    assert version_runs([Span("3", 0, 0)], length=0, submitted_at=3, serving=3, may_change=False,
+                        may_start_later=False) == (3, ())
+    # A request queued while generation was paused starts on the new weights.
+    assert version_runs([Span("4", 0, 4)], length=4, submitted_at=3, serving=4, may_change=False,
+                        may_start_later=True) == (4, ())
+
+
+@pytest.mark.parametrize(("spans", "kwargs", "message"), [
+    ([Span("3", 0, 2), Span("4", 2, 4)], dict(may_change=False), "no in-flight (keep) update ran"),
+    ([Span("4", 0, 4)], dict(may_start_later=False), "with no swap since, it can only start at versions 3..3"),
+    ([Span("3", 0, 2), Span("5", 2, 4)], dict(serving=4), "newer than the version served (4)"),
+    ([Span("2", 0, 4)], {}, "it can only start at versions 3..4"),
+    ([Span("4", 0, 2), Span("3", 2, 4)], {}, "do not ascend"),
+    ([Span("3", 0, 2), Span("4", 3, 4)], {}, "do not cover its 4 tokens"),
+    ([Span("3", 0, 3)], {}, "do not cover its 4 tokens"),
+    ([Span("default", 0, 4)], {}, "not numbers"),
+])
+def test_version_runs_refuses_labels_the_swaps_do_not_allow(spans, kwargs, message):
+    args = dict(length=4, submitted_at=3, serving=4, may_change=True, may_start_later=True) | kwargs
+    with pytest.raises(VersionSpanError, match=re.escape(message)):
+        version_runs(spans, **args)
+
+
+def test_version_runs_refuses_more_changes_than_a_rollout_carries():
+    spans = [Span(str(v), v, v + 1) for v in range(MAX_VERSION_CHANGES + 2)]
+    with pytest.raises(VersionSpanError, match="more than a rollout can carry"):
+        version_runs(spans, length=len(spans), submitted_at=0, serving=len(spans), may_change=True,
+                     may_start_later=True)
+
+
 # ------------------------------------------------------------------------------------ top-K rows (fake vLLM)
 
 
@@ -96,7 +191,7 @@ def row(pairs: dict[int, float]) -> dict[int, FakeLogprob]:
 
 
 def to_sample(engine: SamplerEngine, completion: FakeCompletion) -> Sample:
-    return engine._to_samples([completion], weight_version=3, seed=5, queue_s=0.0, generate_s=0.1)[0]
+    return engine._to_samples([completion], versions=[(3, ())], seed=5, queue_s=0.0, generate_s=0.1, reissues=0)[0]
 
 
 def test_sampled_token_outside_topk_replaces_the_kth_entry():
@@ -191,6 +286,16 @@ def test_build_rollouts_scores_and_labels_each_sample():
     assert {r.weight_version for r in rollouts} == {4}
     assert rollouts[0].group_id == 2 and rollouts[0].sampler_id == "s1"
     assert rollouts[0].timings["generate_s"] == 0.5
+
+
+def test_build_rollouts_carries_the_version_of_each_token_and_the_reissues():
+    kept = dataclasses.replace(make_sample(0, "12"), version_runs=(2, 5), reissues=0)
+    reissued = dataclasses.replace(make_sample(1, "13"), reissues=2)
+    rollouts = build_rollouts(make_task(), [kept, reissued], sampler_id="s1", temperature=1.0, top_p=1.0, top_k=-1)
+    decoded = [decode(encode(r), expected=Rollout) for r in rollouts]
+    assert decoded[0].version_runs == (2, 5) and decoded[0].token_versions().tolist() == [4, 4, 5]
+    assert decoded[1].version_runs == () and decoded[1].versions == (4,)
+    assert "reissues" not in decoded[0].timings and decoded[1].timings["reissues"] == 2.0
 
 
 def test_build_rollouts_refuses_bad_payload_and_bad_rows():
