@@ -7,7 +7,8 @@ benchmarks read them. Everyone spells a name through this module (the dashboard'
 the same names from the API), so its readers are found by following its imports.
 
 Notation (docs/reliability.md, README): l = log pi_theta of a response token (the trainer, with grad), l_v =
-the trainer's log-prob at the rollout's weight version, lambda_mu = the sampler's processed log-prob.
+the trainer's log-prob at the weight version that sampled the token (a response sampled across an in-flight
+weight update holds tokens of several versions), lambda_mu = the sampler's processed log-prob.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ STALENESS_MEAN, STALENESS_MAX = "staleness_mean", "staleness_max"
 STALENESS_STEPS_MAX = "staleness_steps_max"
 ROLLOUT_VERSION_MIN, ROLLOUT_VERSION_MAX = "rollout_version_min", "rollout_version_max"
 NUM_ROLLOUTS = "num_rollouts"
+SPANNING_ROLLOUTS = "spanning_rollouts"
 LOSS, GRAD_NORM, LR, LAMBDA_NEXT, SKIPPED = "loss", "grad_norm", "lr", "lambda_next", "skipped"
 STEP, WEIGHT_VERSION = "step", "weight_version"
 STEP_TIME_S = "step_time_s"
@@ -68,13 +70,18 @@ STATS: dict[str, Stat] = {s.name: s for s in [
     Stat(REWARD_MEAN, "mean reward of the batch's rollouts", "reward", _STEP),
     Stat(REWARD_STD, "standard deviation of the rewards", "reward", _STEP),
     Stat(RESPONSE_LENGTH_MEAN, "mean response length", "tokens", _STEP),
-    Stat(STALENESS_MEAN, "mean of trainer version - rollout version", "versions", _STEP),
-    Stat(STALENESS_MAX, "largest trainer version - rollout version", "versions", _STEP),
-    Stat(STALENESS_STEPS_MAX, "trainer steps since the oldest rollout's version was published; the lag cap "
-         "(coordinator.max_lag_steps) publishes when it reaches the cap", "steps", _STEP),
-    Stat(ROLLOUT_VERSION_MIN, "oldest weight version in the batch", "version", _STEP),
-    Stat(ROLLOUT_VERSION_MAX, "newest weight version in the batch", "version", _STEP),
+    Stat(STALENESS_MEAN, "mean over the batch's response tokens of trainer version - the version that sampled "
+         "the token", "versions", _STEP),
+    Stat(STALENESS_MAX, "largest trainer version - token version over the batch's response tokens", "versions",
+         _STEP),
+    Stat(STALENESS_STEPS_MAX, "trainer steps since the oldest version that sampled a token of the batch was "
+         "published; the lag cap (coordinator.max_lag_steps) publishes when it reaches the cap", "steps", _STEP),
+    Stat(ROLLOUT_VERSION_MIN, "oldest weight version that sampled a response token of the batch", "version", _STEP),
+    Stat(ROLLOUT_VERSION_MAX, "newest weight version that sampled a response token of the batch", "version",
+         _STEP),
     Stat(NUM_ROLLOUTS, "rollouts in the batch (B x G)", "rollouts", _STEP),
+    Stat(SPANNING_ROLLOUTS, "rollouts whose response spans several weight versions (an in-flight `keep` update "
+         "landed inside it; each token corrected at its own version)", "rollouts", _STEP),
     Stat(LOSS, "the method's loss", "-", _STEP),
     Stat(GRAD_NORM, "gradient norm before clipping", "-", _STEP),
     Stat(LR, "learning rate applied (0 when the step was skipped; VCPO scales it by the ESS)", "-", _STEP),

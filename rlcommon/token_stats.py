@@ -4,8 +4,8 @@ rollouts stream, and their per-token log-ratios.
 One entry of the stream `dlc:<run_id>:tokens` per trained batch (the trainer keeps the last
 `trainer.dashboard_token_batches`): msgpack `{"v": 1, "batch_id", "step", "rows": [[group_id, sample_index,
 lag, num], ...], "ids": [[group_id, sample_index, entry_id], ...]}`, where per response token `lag` = log
-pi_theta - log pi_v (the policy lag: the trained weights against the rollout's version, before the step) and
-`num` = log pi_v - log mu (the numerical discrepancy: the trainer at the rollout's version against the sampler),
+pi_theta - log pi_v (the policy lag: the trained weights against the token's version, before the step) and
+`num` = log pi_v - log mu (the numerical discrepancy: the trainer at the token's version against the sampler),
 each little-endian float16 bytes (`rows` is empty when the step computed none), and `entry_id` is the rollouts
 stream id of the entry the trainer trained on for that slot (the dashboard reads just those entries; `ids` is
 absent in entries of older trainers).

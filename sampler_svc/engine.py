@@ -576,6 +576,8 @@ class SamplerEngine:
             in_flight = self._gate.active
             self._swaps += 1  # before the pause: a request it aborts or keeps sees that a swap touched it
             self._swaps_by_mode[mode] += 1
+            logger.info("swapping weights v%d -> v%d (%s, %d requests in flight)", self._weight_version,
+                        weight_version, mode, in_flight)
             await llm.pause_generation(mode=mode, clear_cache=mode != "keep")
             try:
                 await load(llm)

@@ -182,6 +182,7 @@ class SamplerService:
         self.num_tokens += sum(len(r.response_ids) for r in rollouts)
         self.metrics.gauge("rollouts_total", self.num_rollouts)
         self.metrics.gauge("tokens_per_s", self.num_tokens / max(time.monotonic() - self.started_at, 1e-9))
+        self.metrics.gauge("requests_reissued_total", self.engine.reissued_requests)  # by `abort` updates
 
     def check_task(self, task: Task) -> None:
         """ValueError unless the task fits the run's plan shape (B groups of G samples): a task that does not

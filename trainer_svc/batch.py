@@ -2,7 +2,8 @@
 
 Rows are ordered by (batch_id, group_id, sample_index), so the batch (and the step trained on it) does not
 depend on the order in which rollouts arrived. Each row is `prompt + response` right-padded to the longest
-row; response-aligned tensors are [B, T] with T the longest response.
+row; response-aligned tensors are [B, T] with T the longest response. A response sampled across an in-flight
+weight update holds tokens of several versions: `token_versions` names the version of each token.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class TrainBatch:
     advantages: Tensor
     """[B] float32 GRPO group advantages."""
     weight_versions: Tensor
-    """[B] int64 weight version that generated each rollout."""
+    """[B] int64 oldest weight version of each rollout (the one that generated its first token)."""
+    token_versions: Tensor
+    """[B, T] int64 weight version that sampled each response token (padding: the row's `weight_versions`)."""
     group_ids: Tensor
     """[B] int64 prompt group of each rollout."""
     temperature: float
@@ -61,6 +64,11 @@ class TrainBatch:
     def num_response_tokens(self) -> int:
         """T, the padded response length."""
         return int(self.response_mask.shape[1])
+
+    @property
+    def versions(self) -> list[int]:
+        """The distinct weight versions that sampled a response token of the batch, ascending."""
+        return torch.unique(self.token_versions[self.response_mask]).tolist()
 
     def select(self, rows: Tensor) -> TrainBatch:
         """The sub-batch of `rows` (1-D int64 indices); padding widths are kept."""
@@ -158,7 +166,8 @@ def build_batch(rollouts: Sequence[Any], *, pad_id: int = 0, adv_std_norm: bool 
     sampler_logprobs = np.zeros((batch_size, num_response_tokens), dtype=np.float32)
     topk_ids = np.zeros((batch_size, num_response_tokens, topk), dtype=np.int64)
     topk_logprobs = np.zeros((batch_size, num_response_tokens, topk), dtype=np.float32)
-    for i, (_, prompt, response, logprobs, ids, lps) in enumerate(rows):
+    token_versions = np.zeros((batch_size, num_response_tokens), dtype=np.int64)
+    for i, (rollout, prompt, response, logprobs, ids, lps) in enumerate(rows):
         length = len(prompt) + len(response)
         input_ids[i, : len(prompt)] = prompt
         input_ids[i, len(prompt) : length] = response
@@ -167,6 +176,8 @@ def build_batch(rollouts: Sequence[Any], *, pad_id: int = 0, adv_std_norm: bool 
         sampler_logprobs[i, : len(response)] = logprobs
         topk_ids[i, : len(response)] = ids
         topk_logprobs[i, : len(response)] = lps
+        token_versions[i] = int(rollout.weight_version)
+        token_versions[i, : len(response)] = rollout.token_versions()
 
     rewards = torch.tensor([float(r[0].reward) for r in rows], dtype=torch.float32)
     group_ids = torch.tensor([int(r[0].group_id) for r in rows], dtype=torch.int64)
@@ -182,6 +193,7 @@ def build_batch(rollouts: Sequence[Any], *, pad_id: int = 0, adv_std_norm: bool 
         rewards=rewards,
         advantages=group_advantages(rewards, group_ids, std_norm=adv_std_norm),
         weight_versions=torch.tensor([int(r[0].weight_version) for r in rows], dtype=torch.int64),
+        token_versions=torch.from_numpy(token_versions),
         group_ids=group_ids,
         temperature=temperatures.pop(),
         rollout_ids=tuple(str(r[0].rollout_id) for r in rows),

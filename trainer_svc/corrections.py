@@ -3,7 +3,7 @@
 Pure tensor functions; DESIGN.md section 4 defines every symbol. Per response token t:
 
     logp          l_t     = log pi_theta(y_t|s_t)      trainer, current weights, carries grad
-    logp_version  l^v_t   = log pi_theta_v(y_t|s_t)    trainer numerics at the rollout's weight version
+    logp_version  l^v_t   = log pi_theta_v(y_t|s_t)    trainer numerics at the weight version that sampled y_t
     logp_sampler  lmu_t   = log mu(y_t|s_t)            the sampler's processed log-prob
     delta_num = l^v - lmu (numerical discrepancy), delta_lag = l - l^v (policy lag)
     lag ratio w = exp(delta_lag), full ratio rho = exp(l - lmu)

@@ -339,29 +339,34 @@ class TrainerService:
         expected_id = slot_rollout_id(rollout.batch_id, rollout.group_id, rollout.sample_index)
         if rollout.rollout_id != expected_id:
             return f"rollout_id {rollout.rollout_id!r} does not name its plan slot (expected {expected_id!r})"
-        if rollout.version_runs:  # its lag correction would be wrong for every token after the first change
-            return (f"its response spans weight versions {list(rollout.versions)}: this trainer corrects each "
-                    "rollout at one version (per-token versions are not trained yet)")
-        version = rollout.weight_version
-        if version > self.train_step.weight_version:
-            if version > self.published_version:
-                self.refresh_status(throttle=True)
-            if version > self.published_version:
-                return f"weight_version {version} was never published (latest published: {self.published_version})"
-            # Published before this trainer restarted from an older checkpoint: replaying the steps after the
-            # checkpoint re-creates it before any batch that holds this rollout is trained.
-        elif not self.train_step.snapshots.is_kept(version) and rollout.batch_id >= self.next_batch_id:
-            return f"weight_version {version} is no longer kept by the trainer"
-        elif rollout.batch_id >= self.next_batch_id:
-            snapshots = self.train_step.snapshots
-            return lag_refusal(
-                weight_version=version,
-                train_step=rollout.batch_id + self.train_step.step - self.next_batch_id,  # the step that trains it
-                published_steps={v: snapshots.published_step(v) for v in snapshots.versions},
-                max_lag_steps=self.cfg.coordinator.max_lag_steps,
-                max_inflight_batches=self.cfg.coordinator.max_inflight_batches,
-            )
-        return None
+        # Every version that sampled a token must be trainable (a response sampled across an in-flight weight
+        # update holds several, each corrected at its own); the lag cap binds on the oldest, `weight_version`.
+        versions = rollout.versions
+        spans = f" (its response spans weight versions {list(versions)})" if len(versions) > 1 else ""
+        ahead = [v for v in versions if v > self.train_step.weight_version]
+        if ahead and ahead[-1] > self.published_version:
+            self.refresh_status(throttle=True)
+        unpublished = [v for v in ahead if v > self.published_version]
+        if unpublished:
+            return (f"{_name_versions(unpublished, 'was', 'were')} never published (latest published: "
+                    f"{self.published_version}){spans}")
+        # A version ahead of the trainer was published before it restarted from an older checkpoint: replaying the
+        # steps after the checkpoint re-creates it before any batch that holds this rollout is trained.
+        if rollout.batch_id < self.next_batch_id:
+            return None  # an already trained batch: dropped as a duplicate
+        snapshots = self.train_step.snapshots
+        released = [v for v in versions if v <= self.train_step.weight_version and not snapshots.is_kept(v)]
+        if released:
+            return f"{_name_versions(released, 'is', 'are')} no longer kept by the trainer{spans}"
+        if rollout.weight_version > self.train_step.weight_version:
+            return None
+        return lag_refusal(
+            weight_version=rollout.weight_version,
+            train_step=rollout.batch_id + self.train_step.step - self.next_batch_id,  # the step that trains it
+            published_steps={v: snapshots.published_step(v) for v in snapshots.versions},
+            max_lag_steps=self.cfg.coordinator.max_lag_steps,
+            max_inflight_batches=self.cfg.coordinator.max_inflight_batches,
+        )
 
     def train_batch(self, batch_id: int) -> None:
         buffer = self.buffers.pop(batch_id)
@@ -560,6 +565,7 @@ class TrainerService:
         for version in self.train_step.snapshots.versions:
             if version < floor and version not in self.release_after:
                 self.release_after[version] = last_planned
+        # Each buffered rollout's oldest version: its newer ones are kept with it (only versions below go).
         buffered = {r.weight_version for b in self.buffers.values() for r in b.rollouts.values()}
         keep_from = self.train_step.weight_version
         for version in sorted(self.train_step.snapshots.versions):
@@ -602,6 +608,11 @@ class TrainerService:
         os.replace(tmp, path)
 
 
+
+
+def _name_versions(versions: list[int], singular: str, plural: str) -> str:
+    """`weight_version 3 is` or `weight_versions [3, 4] are` (`singular`/`plural`: the verb), for a refusal."""
+    return f"weight_version {versions[0]} {singular}" if len(versions) == 1 else f"weight_versions {versions} {plural}"
 
 
 def truncate_metrics(path: Path, *, before_step: int) -> int:

@@ -1,10 +1,12 @@
 """Weights of the versions that planned batches may still contain, for l^v = log pi_{theta_v}(y|s).
 
 `keep(version, model)` copies the model's weights when version `version` is published (and version 0 at
-start); the model then *is* that version (`live_version`) until its next optimizer step
-(`model_changed()`). A rollout of the live version needs no extra forward: l^v = l.detach(). A rollout of
-an older version gets one no-grad forward with the snapshot swapped in (`torch.func.functional_call`: no
-second model in memory). `release_below(min_version)` drops what no planned batch can need any more.
+start); the model then *is* that version (`live_version`) until its next optimizer step (`model_changed()`).
+l^v is taken per response token at the version that sampled it (`TrainBatch.token_versions`: a response
+sampled across an in-flight weight update holds tokens of several versions). Tokens of the live version need
+no extra forward: l^v = l.detach(). Each older version gets one no-grad forward, over the rows holding a token
+of it, with the snapshot swapped in (`torch.func.functional_call`: no second model in memory); only that
+version's tokens take its values. `release_below(min_version)` drops what no planned batch can need any more.
 
 A model sharded by FSDP2 (trainer_svc/parallel.py) keeps its snapshots sharded the same way (each rank its
 shards of each version: the copies are DTensors). functional_call cannot swap FSDP2's weights (its forward
@@ -45,7 +47,8 @@ def distinct_weights(model: nn.Module) -> dict[str, Tensor]:
 
 
 class MissingVersionError(LookupError):
-    """A rollout's weight version has no kept snapshot (released too early, or never published here)."""
+    """A weight version of a rollout's tokens has no kept snapshot (released too early, or never published
+    here)."""
 
 
 class VersionSnapshots:
@@ -173,29 +176,34 @@ class VersionSnapshots:
         versions: list[int] | None = None,
         forward: LogprobsModule | None = None,
     ) -> ResponseLogprobs:
-        """l^v for every row at its own weight version (and at the top-K ids when `current` has them).
+        """l^v for every response token at the weight version that sampled it (`batch.token_versions`), and at
+        its top-K ids when `current` has them.
 
-        Rows of the live version reuse `current` (detached, no forward); each older version costs one
-        no-grad forward on its rows. `versions`: the versions to run a forward for (default: the batch's). A
-        sharded model's forwards are collectives, so each rank passes the versions of the *whole* batch and
-        runs a forward for each, on one of its rows (result unused) when it holds none of that version.
+        Tokens of the live version reuse `current` (detached, no forward). Each older version costs one no-grad
+        forward over the rows that hold at least one of its tokens, and only the positions of that version
+        (`token_versions == version`) take its log-probs. `versions`: the versions to run a forward for
+        (default: `batch.versions`, those of its response tokens). A sharded model's forwards are collectives,
+        so each rank passes the versions of the *whole* batch and runs a forward for each, on one of its rows
+        (result unused) when it holds no token of that version.
         """
         with_topk = current.logp_topk is not None
         logp = current.logp.detach().clone()
         logp_topk = current.logp_topk.detach().clone() if with_topk else None
-        for version in versions if versions is not None else torch.unique(batch.weight_versions).tolist():
+        for version in versions if versions is not None else batch.versions:
             if self.is_live(version):
                 continue
-            rows = (batch.weight_versions == version).nonzero().squeeze(1)
-            picked = rows if len(rows) else torch.arange(1)  # no row of it here: one row, for the collective
+            at_version = batch.token_versions == version  # [B, T]; padding holds the row's oldest version
+            rows = (at_version & batch.response_mask).any(1).nonzero().squeeze(1)
+            picked = rows if len(rows) else torch.arange(1)  # no token of it here: one row, for the collective
             result = self.logprobs_at(version, batch.select(picked), model=model, with_topk=with_topk, forward=forward)
             if len(rows) == 0:
                 continue
             rows = rows.to(logp.device)
-            logp[rows] = result.logp
+            positions = at_version.to(logp.device)[rows]
+            logp[rows] = torch.where(positions, result.logp, logp[rows])
             if with_topk:
                 assert logp_topk is not None and result.logp_topk is not None
-                logp_topk[rows] = result.logp_topk
+                logp_topk[rows] = torch.where(positions[:, :, None], result.logp_topk, logp_topk[rows])
         return ResponseLogprobs(logp=logp, logp_topk=logp_topk)
 
     # ------------------------------------------------------------------------------------------ checkpoint

@@ -3,12 +3,13 @@
     result = train_step.train_on(rollouts)      # StepResult(metrics, skipped, skip_reason)
     train_step.mark_published(weight_version)   # after publishing: keep the snapshot, model is live again
 
-Per step: one forward+backward of the current model (log-probs at the sampling temperature, plus the
-top-K ids for `center`/`dlc`), one no-grad forward per *older* weight version present in the batch
-(none when every rollout is of the live version), `policy_loss`, gradient clipping and AdamW. `vcpo`
-scales this step's learning rate by `ess_full`; `dual` updates its multiplier after the step;
-`decoupled_ppo` takes pi_prox = the trainer at the start of this step (one optimizer step per batch, so
-that is l.detach()). A batch whose loss or gradient norm is not finite is skipped (no update of weights,
+Per step: one forward+backward of the current model (log-probs at the sampling temperature, plus the top-K ids
+for `center`/`dlc`), one no-grad forward per *older* weight version that sampled a token of the batch, over
+the rows holding such a token (none when every token is of the live version; a response sampled across an
+in-flight weight update holds tokens of several versions, each corrected at its own), `policy_loss`, gradient
+clipping and AdamW. `vcpo` scales this step's learning rate by `ess_full`; `dual` updates its multiplier after
+the step; `decoupled_ppo` takes pi_prox = the trainer at the start of this step (one optimizer step per batch,
+so that is l.detach()). A batch whose loss or gradient norm is not finite is skipped (no update of weights,
 optimizer or multiplier) and reported. Deterministic on CPU for a fixed model, seed and batch.
 
 `trainer.dtype = "bfloat16"` runs every forward (and the backward's recomputed LM-head chunks) in bf16 autocast,
@@ -49,6 +50,7 @@ from rlcommon.step_stats import (
     REWARD_STD,
     ROLLOUT_VERSION_MAX,
     ROLLOUT_VERSION_MIN,
+    SPANNING_ROLLOUTS,
     STALENESS_MAX,
     STALENESS_MEAN,
     STALENESS_STEPS_MAX,
@@ -243,7 +245,7 @@ class TrainStep:
         n = batch.batch_size
         local = batch.select(self.parallel.rows(n))
         mine = self._logprobs(local, with_topk=with_topk)
-        versions = torch.unique(batch.weight_versions).tolist()  # the whole batch's: the forwards are collectives
+        versions = batch.versions  # the whole batch's token versions: the forwards are collectives
         with self._autocast():
             mine_version = self.snapshots.version_logprobs(
                 local, model=self.model, current=mine, versions=versions, forward=self.forward_module
@@ -299,17 +301,22 @@ class TrainStep:
         loss.backward()
 
     def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
-        versions = batch.weight_versions.tolist()
-        staleness = [self.weight_version - v for v in versions]
-        staleness_steps = [self.step - self.snapshots.published_step(v) for v in set(versions)]
+        """The batch's statistics; staleness and rollout versions are per response token, at the version that
+        sampled it (a batch without response tokens falls back to each row's version)."""
+        mask = batch.response_mask
+        token_versions = (batch.token_versions[mask] if bool(mask.any()) else batch.weight_versions).cpu()
+        staleness = self.weight_version - token_versions
+        versions = torch.unique(token_versions).tolist()
+        staleness_steps = [self.step - self.snapshots.published_step(v) for v in versions]
         return {
             REWARD_MEAN: float(batch.rewards.mean()),
             REWARD_STD: float(batch.rewards.std(correction=0)),
             RESPONSE_LENGTH_MEAN: float(batch.response_lengths.float().mean()),
-            STALENESS_MEAN: sum(staleness) / len(staleness),
-            STALENESS_MAX: float(max(staleness)),
+            STALENESS_MEAN: float(staleness.double().mean()),
+            STALENESS_MAX: float(staleness.max()),
             STALENESS_STEPS_MAX: float(max(staleness_steps)),
-            ROLLOUT_VERSION_MIN: float(min(versions)),
-            ROLLOUT_VERSION_MAX: float(max(versions)),
+            ROLLOUT_VERSION_MIN: float(versions[0]),
+            ROLLOUT_VERSION_MAX: float(versions[-1]),
             "num_rollouts": float(batch.batch_size),
+            SPANNING_ROLLOUTS: float(((batch.token_versions != batch.weight_versions[:, None]) & mask).any(1).sum()),
         }

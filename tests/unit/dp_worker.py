@@ -3,11 +3,12 @@
 
 For each method and both embeddings (tied, untied), a one-process TrainStep and an FSDP2 TrainStep over the N
 ranks start from the same weights and take the three steps of `stale_batches` (fresh rollouts, version-0
-rollouts after the model moved, versions 0 and 1 mixed). At each step both compute the step from identical
-state: the gradients AdamW applies (the sharded ones all-gathered) and the metrics are recorded, then the
-one-process trainer takes the sharded one's weights and AdamW state, so that the next step starts identical
-again (after AdamW, m / sqrt(v) turns a last-bit gradient difference of a near-zero entry into an O(lr) one:
-weights compared after it would test Adam, not the claim). Rank 0 writes what it saw to OUT.json.
+rollouts after the model moved, versions 0 and 1 mixed, within responses too). At each step both compute the
+step from identical state: the gradients AdamW applies (the sharded ones all-gathered) and the metrics are
+recorded, then the one-process trainer takes the sharded one's weights and AdamW state, so that the next step
+starts identical again (after AdamW, m / sqrt(v) turns a last-bit gradient difference of a near-zero entry
+into an O(lr) one: weights compared after it would test Adam, not the claim). Rank 0 writes what it saw to
+OUT.json.
 """
 
 from __future__ import annotations

@@ -4,11 +4,13 @@ model runs on an untied and a tied-embedding model (fixture `tied`)."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
-from rlcommon.wire import Rollout
+from rlcommon.wire import Rollout, validate
 from tests.unit.trainer_helpers import VOCAB, ForwardCounter, is_tied, tiny_model
 from trainer_svc.batch import build_batch
 from trainer_svc.logprobs import batch_logprobs, response_logprobs
@@ -143,6 +145,148 @@ def test_live_version_needs_no_extra_forward_and_older_versions_one_each(tied):
     live_rows = (batch.weight_versions == 2).nonzero().squeeze(1)
     assert torch.equal(mixed.logp[live_rows], current.logp.detach()[live_rows])
     assert v0_logp.shape[0] == 4 and snapshots.published_step(1) == 3
+
+
+# Per-token versions (an in-flight weight update inside a response). The reference forwards one unpadded row at
+# a time through a deep copy of the model taken when the version was kept, the batched path forwards padded rows
+# with the snapshot swapped in: the same float32 arithmetic in other shapes (padding, other reduction orders),
+# so values agree to a few ulps of |log p| ~ log V ~ 3.5 (float32 eps 1.2e-7: ~1e-6), inside atol = rtol = 1e-5,
+# while a token taken at the wrong version is off by ~1e-2 here (the weights moved by 0.05 noise per step).
+PER_TOKEN_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def spanning_rollouts(specs, *, topk: int = 4, seed: int = 0):
+    """One wire-valid Rollout per spec (response length, weight_version, version_runs), rows in spec order."""
+    rng = np.random.default_rng(seed)
+    rollouts = []
+    for index, (response_len, weight_version, version_runs) in enumerate(specs):
+        topk_ids = np.stack([rng.permutation(VOCAB)[:topk] for _ in range(response_len)]).astype(np.int32)
+        rollout = Rollout(
+            rollout_id=f"r{index}", batch_id=0, group_id=index, sample_index=0, weight_version=weight_version,
+            sampler_id="test", prompt_ids=rng.integers(0, VOCAB, int(rng.integers(1, 5))).astype(np.int32),
+            response_ids=topk_ids[:, 0].copy(), sampler_logprobs=-rng.random(response_len).astype(np.float32),
+            topk_ids=topk_ids, topk_logprobs=-rng.random((response_len, topk)).astype(np.float32),
+            reward=float(index % 2), finish_reason="stop", temperature=0.7, top_p=1.0, top_k=-1,
+            version_runs=version_runs,
+        )
+        validate(rollout)
+        rollouts.append(rollout)
+    return rollouts
+
+
+class LogprobsAtCalls:
+    """Records each `logprobs_at` forward of a VersionSnapshots: (version, the rollout ids of its rows)."""
+
+    def __init__(self, snapshots: VersionSnapshots):
+        self.calls: list[tuple[int, tuple[str, ...]]] = []
+        inner = snapshots.logprobs_at
+
+        def recording(version, batch, **kwargs):
+            self.calls.append((version, batch.rollout_ids))
+            return inner(version, batch, **kwargs)
+
+        snapshots.logprobs_at = recording
+
+
+def expected_per_token(models_by_version, rollout):
+    """The hand reference of one row: at each response token, the log-prob (and top-K log-probs) of a plain
+    forward of the model copy of the version that sampled that token."""
+    versions = rollout.token_versions()
+    at = {v: reference_logprobs(models_by_version[v], rollout, rollout.temperature) for v in set(versions.tolist())}
+    sampled = torch.stack([at[int(v)][0][t] for t, v in enumerate(versions)])
+    topk = torch.stack([at[int(v)][1][t] for t, v in enumerate(versions)])
+    return sampled, topk
+
+
+def test_each_token_is_corrected_at_the_version_that_sampled_it(tied):
+    """Versions 0 and 1 kept, the model stepped past both: a response whose tokens 0..2 are of version 0 and
+    3.. of version 1, one all of version 0, one all of version 1. Each token's l^v is that of its version; one
+    forward per version, over only the rows holding a token of it."""
+    model = tiny_model(tied=tied)
+    snapshots = VersionSnapshots()
+    copies = {0: copy.deepcopy(model)}
+    snapshots.keep(0, model, step=0)
+    _sgd_step(model)
+    snapshots.model_changed()
+    copies[1] = copy.deepcopy(model)
+    snapshots.keep(1, model, step=1)
+    _sgd_step(model)
+    snapshots.model_changed()  # live at neither version
+    rollouts = spanning_rollouts([(6, 0, (3, 1)), (4, 0, ()), (5, 1, ())])
+    batch = build_batch(rollouts)
+    assert batch.rollout_ids == ("r0", "r1", "r2")
+    assert batch.token_versions.tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert batch.weight_versions.tolist() == [0, 0, 1] and batch.versions == [0, 1]
+    current = batch_logprobs(model, batch, with_topk=True)
+    recorder = LogprobsAtCalls(snapshots)
+    result = snapshots.version_logprobs(batch, model=model, current=current)
+    assert recorder.calls == [(0, ("r0", "r1")), (1, ("r0", "r2"))]
+    assert not result.logp.requires_grad and not result.logp_topk.requires_grad
+    for row, rollout in enumerate(rollouts):
+        length = len(rollout.response_ids)
+        sampled, topk = expected_per_token(copies, rollout)
+        torch.testing.assert_close(result.logp[row, :length], sampled, **PER_TOKEN_TOL)
+        torch.testing.assert_close(result.logp_topk[row, :length], topk, **PER_TOKEN_TOL)
+    # The test tells the versions apart: the spanning row's version-1 tokens are far from version 0's values.
+    at_v0, _ = reference_logprobs(copies[0], rollouts[0], rollouts[0].temperature)
+    assert (result.logp[0, 3:6] - at_v0[3:6]).abs().max() > 100 * PER_TOKEN_TOL["atol"]
+
+
+def test_tokens_of_the_live_version_reuse_the_current_logprobs(tied):
+    """Version 1 kept, version 2 live: a response of versions 1 then 2 takes version 1 at its first tokens (one
+    forward, over the rows holding a version-1 token) and the current log-probs, exactly, at the others."""
+    model = tiny_model(tied=tied)
+    snapshots = VersionSnapshots()
+    snapshots.keep(0, model, step=0)
+    _sgd_step(model)
+    snapshots.model_changed()
+    copies = {1: copy.deepcopy(model)}
+    snapshots.keep(1, model, step=1)
+    _sgd_step(model)
+    snapshots.model_changed()
+    copies[2] = copy.deepcopy(model)
+    snapshots.keep(2, model, step=2)  # live
+    rollouts = spanning_rollouts([(5, 1, (2, 2)), (3, 2, ()), (4, 1, ())], seed=1)
+    batch = build_batch(rollouts)
+    current = batch_logprobs(model, batch, with_topk=True)
+    recorder = LogprobsAtCalls(snapshots)
+    result = snapshots.version_logprobs(batch, model=model, current=current)
+    assert recorder.calls == [(1, ("r0", "r2"))]  # version 2 is live: no forward
+    live = batch.token_versions == 2
+    assert torch.equal(result.logp[live], current.logp.detach()[live])
+    assert torch.equal(result.logp_topk[live], current.logp_topk.detach()[live])
+    for row, rollout in enumerate(rollouts):
+        length = len(rollout.response_ids)
+        sampled, topk = expected_per_token(copies, rollout)
+        torch.testing.assert_close(result.logp[row, :length], sampled, **PER_TOKEN_TOL)
+        torch.testing.assert_close(result.logp_topk[row, :length], topk, **PER_TOKEN_TOL)
+    # Every token live: no forward at all.
+    fresh = build_batch(spanning_rollouts([(3, 2, ()), (2, 2, ())], seed=2))
+    recorder.calls.clear()
+    current = batch_logprobs(model, fresh, with_topk=False)
+    assert torch.equal(snapshots.version_logprobs(fresh, model=model, current=current).logp, current.logp.detach())
+    assert recorder.calls == []
+
+
+def test_a_rank_without_a_token_of_a_version_runs_its_forward_on_one_row(tied):
+    """The sharded path's contract (`versions` = the whole batch's): a version none of these rows holds still costs
+    one forward (a collective on every rank), on one row, and changes nothing."""
+    model = tiny_model(tied=tied)
+    snapshots = VersionSnapshots()
+    snapshots.keep(0, model, step=0)
+    _sgd_step(model)
+    snapshots.model_changed()
+    snapshots.keep(1, model, step=1)
+    _sgd_step(model)
+    snapshots.model_changed()
+    batch = build_batch(spanning_rollouts([(4, 1, ()), (3, 1, ())]))
+    current = batch_logprobs(model, batch, with_topk=True)
+    recorder = LogprobsAtCalls(snapshots)
+    result = snapshots.version_logprobs(batch, model=model, current=current, versions=[0, 1])
+    assert recorder.calls == [(0, ("r0",)), (1, ("r0", "r1"))]
+    alone = snapshots.logprobs_at(1, batch, model=model, with_topk=True)
+    torch.testing.assert_close(result.logp, alone.logp, rtol=0, atol=0)
+    torch.testing.assert_close(result.logp_topk, alone.logp_topk, rtol=0, atol=0)
 
 
 def test_release_below_drops_versions_and_missing_versions_are_reported(tied):

@@ -4,6 +4,7 @@ rollouts are refused. Pure rules, checked against hand-worked cases."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -158,7 +159,9 @@ def test_the_trainer_refuses_a_superseded_rollout_past_the_cap_and_trains_the_re
     """`TrainerService.rollout_problem` on a real TrainStep: versions 1 and 2 published at steps 3 and 5, the
     trainer at step 8 (next batch 8), max_lag_steps 2 and 2 batches in flight. Version 1 was superseded at step 5:
     its rollouts for batches 8 and 9 are trained, for batch 10 (trained at step 10, 5 > 2 + 2 steps after) refused;
-    version 2 is the newest (trained however old); version 0 is no longer kept."""
+    version 2 is the newest (trained however old); version 0 is no longer kept. A response spanning several
+    versions (an in-flight weight update) is trained only when every one of them would be, the lag cap binding on
+    its oldest."""
     from rlcommon.config import RunConfig, load_config
     from rlcommon.plan_ids import slot_rollout_id
     from tests.unit.trainer_helpers import make_rollouts, tiny_model
@@ -187,8 +190,24 @@ def test_the_trainer_refuses_a_superseded_rollout_past_the_cap_and_trains_the_re
     assert problem(2, 11) is None
     assert problem(0, 8) == "weight_version 0 is no longer kept by the trainer"
     assert problem(1, 3) is None  # an already trained batch: dropped as a duplicate, not refused
-    spanning = dataclasses.replace(make_rollouts(num_groups=1, weight_version=1)[0], batch_id=8,
-                                   rollout_id=slot_rollout_id(8, 0, 0), version_runs=(1, 2))
-    assert service.rollout_problem(spanning, horizon=12) == (
-        "its response spans weight versions [1, 2]: this trainer corrects each rollout at one version "
-        "(per-token versions are not trained yet)")
+
+    # A response sampled across in-flight weight updates: every version must pass; the lag cap binds on the oldest.
+    def spanning(versions: tuple[int, ...], batch_id: int) -> str | None:
+        longest = max(make_rollouts(num_groups=1, weight_version=versions[0]), key=lambda r: len(r.response_ids))
+        assert len(longest.response_ids) >= len(versions)
+        runs = tuple(x for index, version in enumerate(versions[1:], 1) for x in (index, version))  # token i: v_i
+        rollout = dataclasses.replace(longest, batch_id=batch_id, sample_index=0,
+                                      rollout_id=slot_rollout_id(batch_id, 0, 0), version_runs=runs)
+        assert rollout.versions == versions
+        return service.rollout_problem(rollout, horizon=12)
+
+    assert spanning((1, 2), 8) is None and spanning((1, 2), 9) is None  # every version kept: trained
+    assert spanning((0, 1), 8) == ("weight_version 0 is no longer kept by the trainer (its response spans weight "
+                                   "versions [0, 1])")  # version 1 is fine, the oldest is not
+    assert spanning((0, 1, 2), 9).startswith("weight_version 0 is no longer kept")
+    assert spanning((1, 2), 10).startswith("weight_version 1 is 7 trainer steps old at step 10")  # the oldest binds
+    assert spanning((0, 1), 3) is None  # an already trained batch: dropped as a duplicate, not refused
+    service._next_status_check_s = math.inf  # no coordinator here: the throttled status check is skipped
+    assert spanning((2, 3), 11) == ("weight_version 3 was never published (latest published: 2) (its response "
+                                    "spans weight versions [2, 3])")
+    assert spanning((2, 3, 4), 11).startswith("weight_versions [3, 4] were never published")

@@ -62,6 +62,25 @@ def test_batch_is_padded_and_independent_of_arrival_order():
     assert batch.topk_ids.shape == (8, batch.num_response_tokens, 4)
 
 
+def test_batch_holds_the_version_of_each_response_token():
+    """`token_versions` [B, T] from each rollout's version_runs (padding: the row's oldest version), `weight_versions`
+    the oldest; `select` and `to` carry it."""
+    rollouts = make_rollouts(num_groups=1, group_size=3, seed=4)
+    lengths = [len(r.response_ids) for r in rollouts]
+    assert lengths == [6, 3, 1]
+    rollouts = [spanning(rollouts[0], 1, 2, 3, 5), spanning(rollouts[1], 2, 1),
+                dataclasses.replace(rollouts[2], weight_version=4)]
+    batch = build_batch(rollouts)
+    assert batch.token_versions.dtype == torch.int64
+    assert batch.token_versions.tolist() == [[0, 2, 2, 5, 5, 5], [0, 0, 1, 0, 0, 0], [4, 4, 4, 4, 4, 4]]
+    assert batch.weight_versions.tolist() == [0, 0, 4]
+    assert batch.versions == [0, 1, 2, 4, 5]
+    picked = batch.select(torch.tensor([2, 1]))
+    assert picked.token_versions.tolist() == [[4, 4, 4, 4, 4, 4], [0, 0, 1, 0, 0, 0]]
+    assert picked.versions == [0, 1, 4]
+    assert torch.equal(batch.to("cpu").token_versions, batch.token_versions)
+
+
 def test_build_batch_rejects_inconsistent_rollouts():
     rollouts = make_rollouts()
     with pytest.raises(ValueError, match="no rollouts"):
@@ -167,12 +186,22 @@ def assert_same_step(reference: TrainStep, rollouts, *, prepare=None, **variant)
             assert got_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
 
 
+def spanning(rollout, *runs: int):
+    """`rollout` with `version_runs` = `runs` (its later tokens sampled by newer versions: an in-flight update)."""
+    return dataclasses.replace(rollout, version_runs=runs)
+
+
 def stale_batches():
-    """Fresh rollouts, then version-0 rollouts after the model moved on, then mixed versions 0 and 1."""
+    """Fresh rollouts, then version-0 rollouts after the model moved on, then versions 0 and 1 mixed, within
+    responses too: every other version-0 row of more than one token has its second half of version 1. (Its
+    version-1 rows come first: under two ranks the first rank holds no version-0 token.)"""
     yield make_rollouts(seed=0)
     yield make_rollouts(seed=1)
-    yield make_rollouts(weight_version=1, seed=2) + [
-        dataclasses.replace(r, group_id=r.group_id + 2) for r in make_rollouts(weight_version=0, seed=3)]
+    stale = [dataclasses.replace(r, group_id=r.group_id + 2) for r in make_rollouts(weight_version=0, seed=3)]
+    stale = [spanning(r, len(r.response_ids) // 2, 1) if i % 2 and len(r.response_ids) > 1 else r
+             for i, r in enumerate(stale)]
+    assert sum(bool(r.version_runs) for r in stale) >= 2
+    yield make_rollouts(weight_version=1, seed=2) + stale
 
 
 def _layer_forwards(gradient_checkpointing: bool) -> int:
@@ -299,9 +328,81 @@ def test_fresh_rollouts_cost_one_forward_and_stale_ones_two(tied):
     assert stale.metrics["ess_lag"] < 1.0 and stale.metrics["staleness_steps_max"] == 1.0
     train_step.mark_published(1)
     assert train_step.weight_version == 1 and train_step.snapshots.is_live(1)
-    mixed = train_step.train_on(make_rollouts(weight_version=1, seed=2) + [
-        dataclasses.replace(r, group_id=r.group_id + 2) for r in make_rollouts(weight_version=0, seed=3)
-    ])
+    fresh_rollouts = make_rollouts(weight_version=1, seed=2)
+    stale_rollouts = [dataclasses.replace(r, group_id=r.group_id + 2) for r in make_rollouts(weight_version=0, seed=3)]
+    mixed = train_step.train_on(fresh_rollouts + stale_rollouts)
     assert counter.calls == 5
-    assert mixed.metrics["staleness_max"] == 1.0 and mixed.metrics["staleness_mean"] == 0.5
+    # Staleness is per response token: the share of the tokens that are of version 0 (1 version behind).
+    stale_tokens = sum(len(r.response_ids) for r in stale_rollouts)
+    all_tokens = stale_tokens + sum(len(r.response_ids) for r in fresh_rollouts)
+    assert mixed.metrics["staleness_max"] == 1.0
+    assert mixed.metrics["staleness_mean"] == pytest.approx(stale_tokens / all_tokens, rel=1e-12)
     assert not mixed.skipped and is_tied(model) == tied
+
+
+def test_staleness_is_per_response_token():
+    """By hand: versions 0..3 kept at steps 0, 2, 5, 6, the trainer at version 3 and step 7. Real tokens of
+    versions (0, 0, 2, 2), (1, 1) and (2,): staleness 3, 3, 1, 1, 2, 2, 1 (mean 13/7, max 3); the versions 0, 1, 2
+    were published 7, 5 and 2 steps ago. Padding (version 3 here) counts for nothing."""
+    train_step = TrainStep(tiny_model(tied=False), config=TrainerConfig(method="dlc"))
+    for step, version in ((2, 1), (5, 2), (6, 3)):
+        train_step.step = step
+        train_step.mark_published(version)
+    train_step.step = 7
+    batch = build_batch(make_rollouts(num_groups=1, group_size=3))
+    batch = dataclasses.replace(
+        batch,
+        response_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool),
+        token_versions=torch.tensor([[0, 0, 2, 2], [1, 1, 3, 3], [2, 3, 3, 3]]),
+        weight_versions=torch.tensor([0, 1, 2]),
+        response_lengths=torch.tensor([4, 2, 1]),
+    )
+    metrics = train_step._batch_metrics(batch)
+    assert metrics["staleness_mean"] == pytest.approx(13 / 7, rel=1e-12)
+    assert metrics["staleness_max"] == 3.0
+    assert metrics["staleness_steps_max"] == 7.0
+    assert (metrics["rollout_version_min"], metrics["rollout_version_max"]) == (0.0, 2.0)
+    assert metrics["spanning_rollouts"] == 1.0, "only row 0 changes version among its real tokens"
+    # The same rows with every token of its row's oldest version: the per-rollout view is another number.
+    oldest = dataclasses.replace(batch, token_versions=batch.weight_versions[:, None].expand(-1, 4).clone())
+    assert train_step._batch_metrics(oldest)["staleness_mean"] == pytest.approx((4 * 3 + 2 * 2 + 1) / 7)
+
+
+def test_a_step_on_responses_spanning_versions(tied):
+    """Versions 0 and 1 superseded, 2 live: a row of versions 0, 1 then 2, rows of 1 then 2, rows all of version 0
+    and fresh rows. The step costs the current forward and one per older version (0 and 1); its DLC statistics
+    are finite and its staleness is that of the tokens."""
+    model = tiny_model(tied=tied)
+    counter = ForwardCounter(model)
+    train_step = TrainStep(model, config=TrainerConfig(method="dlc"))
+    train_step.train_on(make_rollouts(seed=0))
+    train_step.mark_published(1)
+    train_step.train_on(make_rollouts(weight_version=1, seed=1))
+    train_step.mark_published(2)
+    rollouts = make_rollouts(weight_version=2, seed=2)
+    long_rows = [i for i, r in enumerate(rollouts) if len(r.response_ids) >= 3]
+    assert len(long_rows) >= 3
+    rollouts[long_rows[0]] = dataclasses.replace(spanning(rollouts[long_rows[0]], 1, 1, 2, 2), weight_version=0)
+    rollouts[long_rows[1]] = dataclasses.replace(spanning(rollouts[long_rows[1]], 2, 2), weight_version=1)
+    rollouts[long_rows[2]] = dataclasses.replace(rollouts[long_rows[2]], weight_version=0)
+    token_versions = np.concatenate([r.token_versions() for r in rollouts])
+    assert set(token_versions.tolist()) == {0, 1, 2}
+    calls = counter.calls
+    result = train_step.train_on(rollouts)
+    assert counter.calls == calls + 3  # current, version 0, version 1 (version 2 is live)
+    assert not result.skipped
+    assert all(math.isfinite(v) for v in result.metrics.values()), result.metrics
+    assert 0 < result.metrics["ess_lag"] < 1 and result.metrics["delta_lag_std"] > 0
+    assert result.metrics["staleness_mean"] == pytest.approx(float(np.mean(2 - token_versions)), rel=1e-12)
+    assert result.metrics["staleness_max"] == 2.0
+    assert (result.metrics["rollout_version_min"], result.metrics["rollout_version_max"]) == (0.0, 2.0)
+    assert result.metrics["staleness_steps_max"] == 2.0  # version 0, kept at step 0, trained at step 2
+    lag = result.token_logratios["lag"]
+    # The version-0-1-2 response: lag 0 exactly at its live (version 2) tokens, not at its first, older ones.
+    batch = build_batch(rollouts)
+    row = batch.rollout_ids.index(rollouts[long_rows[0]].rollout_id)
+    versions = rollouts[long_rows[0]].token_versions()
+    assert versions[0] == 0 and versions[1] == 1 and versions[-1] == 2
+    row_lag = lag[row, : len(versions)]
+    assert torch.all(row_lag[torch.from_numpy(versions == 2)] == 0) and torch.all(row_lag[:2] != 0)
+    assert is_tied(model) == tied
