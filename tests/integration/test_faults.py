@@ -456,19 +456,19 @@ def fault_run(tmp_path_factory) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- the ledger
 
 
-def check_ledger(fault_run: dict[str, Any]) -> None:
+def check_ledger(fault_run: dict[str, Any], *, steps: int = STEPS, rollouts_per_batch: int = B * G) -> None:
     """Every planned batch trained exactly once, in plan order: in the coordinator's ledger (`dlcctl`), in
     metrics.jsonl and in the trainer's state."""
     rows = fault_run["rows"]
-    assert [r["step"] for r in rows] == list(range(STEPS)), "metrics.jsonl: one row per step, in order"
-    assert [r["batch_id"] for r in rows] == list(range(STEPS))
-    assert all(r["num_rollouts"] == B * G for r in rows)
+    assert [r["step"] for r in rows] == list(range(steps)), "metrics.jsonl: one row per step, in order"
+    assert [r["batch_id"] for r in rows] == list(range(steps))
+    assert all(r["num_rollouts"] == rollouts_per_batch for r in rows)
     ledger = fault_run["final"]["dlcctl_batches"]["batches"]
-    assert [int(b["batch_id"]) for b in ledger] == list(range(STEPS))
+    assert [int(b["batch_id"]) for b in ledger] == list(range(steps))
     assert all(b["status"] == "BATCH_TRAINED" for b in ledger)
-    assert [int(b["trained_step"]) for b in ledger] == list(range(STEPS))
+    assert [int(b["trained_step"]) for b in ledger] == list(range(steps))
     state = fault_run["trainer_state"]
-    assert (state["steps"], state["next_batch_id"]) == (STEPS, STEPS)
+    assert (state["steps"], state["next_batch_id"]) == (steps, steps)
     assert state["skipped_batches"] == 0 and state["rejected_rollouts"] == 0
     assert fault_run["final"]["dead_letters"] == 0, "no valid rollout or task was dead-lettered"
 

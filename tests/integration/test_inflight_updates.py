@@ -1,0 +1,141 @@
+"""In-flight weight updates (`sampler.update_mode = "keep"`) on the real stack: redis-server, the coordinator, two
+vLLM CPU samplers and the trainer as processes (the launcher's own `LocalStack`), a publish after every step and
+responses long enough for updates to land inside them.
+
+One run checks that:
+- every planned batch is trained exactly once, in plan order, with nothing refused or dead-lettered, while
+  responses spanning two versions are trained (each token corrected at its own version);
+- a sampler killed in the middle of a keep update (its engine core frozen with requests in flight, so that the
+  update's pause cannot finish, then `kill -9` of the whole sampler) costs nothing: the sync completes without it,
+  the other sampler claims its tasks, and started again it serves the latest version.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from typing import Any
+
+import psutil
+import pytest
+
+from protos import coordinator_pb2 as pb
+from tests.integration.stacks import stack_config
+from tests.integration.test_faults import RUN_ID, FaultDriver, check_ledger
+
+STEPS = 40
+B, G = 4, 2
+MAX_TOKENS = 48
+"""Responses of up to 48 tokens (the tiny model rarely stops early): a sync every step lands inside many."""
+ACK_TIMEOUT_S = 2.0
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.faults, pytest.mark.slow]
+
+SWAP_LINE = re.compile(r"swapping weights v(\d+) -> v(\d+) \(keep, (\d+) requests in flight\)")
+
+
+def engine_core_of(driver: FaultDriver, name: str) -> psutil.Process:
+    """The vLLM engine-core process of sampler `name` (a child it forked)."""
+    sampler = psutil.Process(driver.stack.processes[name].process.pid)
+    cores = [p for p in sampler.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert len(cores) == 1, f"{name}: engine-core processes {cores}"
+    return cores[0]
+
+
+def kill_sampler_in_a_keep_update(driver: FaultDriver, name: str) -> dict[str, Any]:
+    """Freeze `name`'s engine core; once `name` has begun a keep update with requests in flight (its pause waits
+    on the frozen core) and holds tasks, SIGKILL the sampler with its engine."""
+    core = engine_core_of(driver, name)
+    offset = driver.log_size(name)
+    core.send_signal(signal.SIGSTOP)
+
+    def in_the_update() -> re.Match | None:
+        text = (driver.run_dir / "logs" / f"{name}.log").read_bytes()[offset:].decode(errors="replace")
+        return next((m for m in SWAP_LINE.finditer(text) if int(m.group(3)) > 0), None)
+
+    swap = driver.wait_until(f"{name} to begin a keep update with requests in flight", in_the_update,
+                             interval_s=0.05)
+    pending = driver.pending_of(driver.stream("tasks"), "samplers", name)
+    assert pending, f"{name} holds no task in the middle of its update"
+    driver.stack.kill(name)
+    return {"to_version": int(swap.group(2)), "in_flight": int(swap.group(3)),
+            "entry_ids": [row["message_id"] for row in pending], "log_offset": offset}
+
+
+@pytest.fixture(scope="module")
+def keep_run(tmp_path_factory) -> dict[str, Any]:
+    run_dir = tmp_path_factory.mktemp("keep")
+    cfg = stack_config(run_dir, steps=STEPS, run_id=RUN_ID, overrides=[
+        "--num_samplers=2",
+        "--sampler.update_mode=keep",
+        f"--sampling.max_tokens={MAX_TOKENS}",
+        "--bus.claim_idle_ms=3000",
+        f"--coordinator.batch_size={B}",
+        f"--coordinator.group_size={G}",
+        "--coordinator.max_inflight_batches=2",
+        "--coordinator.sync_policy=every_k",
+        "--coordinator.sync_every_k=1",
+        f"--coordinator.sync_ack_timeout_s={ACK_TIMEOUT_S}",
+        "--trainer.lr=2e-3",
+    ])
+    driver = FaultDriver(cfg)
+    obs: dict[str, Any] = {"run_dir": run_dir}
+    try:
+        driver.start()
+        driver.wait_rows(3)
+        obs["kill"] = kill_sampler_in_a_keep_update(driver, "sampler-1")
+        obs["rows_at_kill"] = len(driver.rows())
+        obs["sync_without"] = driver.wait_until("the sync to complete without the killed sampler", lambda: next((
+            s for s in driver.syncs() if s.weight_version >= obs["kill"]["to_version"] and s.ended_at
+            and "sampler-0" in s.acked_samplers and "sampler-1" not in s.acked_samplers), None))
+        driver.wait_until("the killed sampler's tasks to be claimed", lambda: not driver.pending_of(
+            driver.stream("tasks"), "samplers", "sampler-1"))
+        driver.stack.start_service("sampler-1")
+        driver.wait_until("the trainer to finish", lambda: driver.stack.processes["trainer"].poll() == 0
+                          and len(driver.rows()) >= STEPS)
+
+        def serves_last_version() -> bool:
+            info = driver.samplers()["sampler-1"]
+            return info.health == pb.SAMPLER_HEALTHY and info.weight_version == driver.syncs()[-1].weight_version
+
+        driver.wait_until("the restarted sampler-1 to serve the last version", serves_last_version)
+        obs["final"] = {
+            "syncs": driver.syncs(),
+            "dead_letters": driver.redis.xlen(driver.stream("deadletter")),
+            "dlcctl_batches": {"batches": [
+                {"batch_id": b.batch_id, "status": pb.BatchStatus.Name(b.status), "trained_step": b.trained_step}
+                for b in driver.batches()]},
+        }
+    finally:
+        driver.close()
+    obs["rows"] = driver.rows()
+    obs["logs"] = {name: (run_dir / "logs" / f"{name}.log").read_bytes() for name in ("sampler-0", "sampler-1")}
+    obs["trainer_state"] = json.loads((run_dir / "trainer_state.json").read_text())
+    return obs
+
+
+def test_keep_updates_train_every_batch_exactly_once(keep_run):
+    check_ledger(keep_run, steps=STEPS, rollouts_per_batch=B * G)
+    rows = keep_run["rows"]
+    spanning = sum(r["spanning_rollouts"] for r in rows)
+    assert spanning > 0, "no response spanning two versions was trained: no keep update landed inside one"
+    # A spanning response's newer tokens are fresher: per-token staleness is below its oldest version's.
+    assert all(r["staleness_mean"] <= r["staleness_max"] for r in rows)
+    kept = [m for name in ("sampler-0", "sampler-1")
+            for m in SWAP_LINE.finditer(keep_run["logs"][name].decode(errors="replace"))]
+    assert any(int(m.group(3)) > 0 for m in kept), "no keep update ran with requests in flight"
+    print(f"keep run: {spanning:.0f} spanning rollouts trained over {len(rows)} steps; "
+          f"{sum(int(m.group(3)) > 0 for m in kept)} of {len(kept)} updates landed with requests in flight")
+
+
+def test_a_sampler_killed_in_a_keep_update_costs_nothing(keep_run):
+    """The sync it was loading completed with the other sampler alone; the tasks it held were trained once (the
+    ledger); started again, it came back healthy on the last version (waited for in the run)."""
+    kill = keep_run["kill"]
+    assert kill["in_flight"] > 0 and kill["entry_ids"]
+    sync = keep_run["sync_without"]
+    assert list(sync.acked_samplers) == ["sampler-0"], "the killed sampler never acked a version it was loading"
+    syncs = keep_run["final"]["syncs"]
+    assert [s.weight_version for s in syncs] == list(range(1, len(syncs) + 1))
+    check_ledger(keep_run, steps=STEPS, rollouts_per_batch=B * G)
