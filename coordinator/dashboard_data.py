@@ -80,6 +80,16 @@ def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
+def _version_runs(rollout: Rollout) -> list[dict[str, int]]:
+    """The weight versions that sampled `rollout`'s response, one run each, in token order: `start` (the run's
+    first token index) and `version`. The first run starts at 0 with `weight_version`; a response sampled
+    across in-flight weight updates (`Rollout.version_runs`) has one more run per change."""
+    runs = rollout.version_runs
+    changes = zip(runs[0::2], runs[1::2], strict=True)
+    return [{"start": 0, "version": int(rollout.weight_version)},
+            *({"start": int(start), "version": int(version)} for start, version in changes)]
+
+
 class _Budget:
     """Bytes one lookup may still read; `take(n)` is False (and `exceeded` set) once `n` more do not fit."""
 
@@ -194,7 +204,8 @@ class DashboardData:
                             for b in reversed(records)]}
 
     def batch(self, batch_id: int) -> dict[str, Any]:
-        """One batch's groups: prompt text, and per sample its tokens (as text), reward, weight version,
+        """One batch's groups: prompt text, and per sample its tokens (as text), reward, weight version (of its
+        first token) and `version_runs` (each run of tokens one weight version sampled: `_version_runs`),
         log mu per token and, when the trainer kept them, δ_lag and δ_num per token. KeyError: not planned.
 
         `bytes_read`: what this lookup read from Redis; `truncated`: the byte budget stopped it early; `note`:
@@ -281,7 +292,8 @@ class DashboardData:
     def _sample(self, rollout: Rollout, stats: dict[str, list[float]] | None) -> dict[str, Any]:
         ids = [int(t) for t in rollout.response_ids]
         return {"sample_index": rollout.sample_index, "weight_version": rollout.weight_version,
-                "sampler_id": rollout.sampler_id, "reward": rollout.reward, "finish_reason": rollout.finish_reason,
+                "version_runs": _version_runs(rollout), "sampler_id": rollout.sampler_id, "reward": rollout.reward,
+                "finish_reason": rollout.finish_reason,
                 "text": self.tokenizer.decode(ids),
                 "tokens": [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids],
                 "logmu": [float(x) for x in rollout.sampler_logprobs],

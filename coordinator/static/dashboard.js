@@ -241,13 +241,30 @@ function drawBatch(batch) {
        g.answer ? el("span", { class: "muted" }, `  expected ${g.answer}`) : ""),
     ...g.samples.map((s) => {
       const values = s[metric];
-      const tokens = s.tokens.map((text, t) => el("span", {
-        class: "tok", style: `background:${tokenColour(metric, values ? values[t] : null)}`,
-        title: `log μ ${fmt(s.logmu[t], 4)} · δ_lag ${fmt(s.lag ? s.lag[t] : null, 4)} · δ_num ${fmt(s.num ? s.num[t] : null, 4)}`,
-      }, text));
+      // One run per weight version that sampled the response (in-flight updates: several): a `vswitch` badge
+      // before the first token of each later run, and every token's tooltip names its version.
+      const runs = s.version_runs && s.version_runs.length ? s.version_runs : [{ start: 0, version: s.weight_version }];
+      const tokens = [];
+      let run = 0;
+      s.tokens.forEach((text, t) => {
+        while (run + 1 < runs.length && runs[run + 1].start <= t) {
+          run += 1;
+          tokens.push(el("span", { class: "vswitch", "data-version": runs[run].version, "data-start": t,
+                                   title: `weight version ${runs[run].version} from token ${t}` }, `v${runs[run].version}`));
+        }
+        const version = runs[run].version;
+        tokens.push(el("span", {
+          class: "tok", "data-version": version, style: `background:${tokenColour(metric, values ? values[t] : null)}`,
+          title: `v${version} · log μ ${fmt(s.logmu[t], 4)} · δ_lag ${fmt(s.lag ? s.lag[t] : null, 4)} · ` +
+                 `δ_num ${fmt(s.num ? s.num[t] : null, 4)}`,
+        }, text));
+      });
+      const versions = runs.map((r) => `v${r.version}`).join("→");
       return el("div", { class: "sample", "data-sample": s.sample_index },
         el("span", {}, `#${s.sample_index}`), el("span", { class: "reward", "data-value": s.reward }, `reward ${fmt(s.reward, 2)}`),
-        el("span", {}, `v${s.weight_version}`), el("span", { class: "tokens" }, ...tokens));
+        el("span", { class: "versions", title: runs.length > 1 ? "weight versions that sampled this response" : "weight version" },
+           versions),
+        el("span", { class: "tokens" }, ...tokens));
     })));
   document.getElementById("groups").replaceChildren(...groups);
   document.getElementById("groups").dataset.batch = batch.batch_id;

@@ -152,17 +152,19 @@ def test_overview_has_the_plan_the_steps_with_nan_as_null_and_dead_letters(dashb
     assert overview["headline"] == {"reward": "reward_mean", "lag": "ess_lag"}
 
 
-def rollout(batch_id: int, group_id: int, sample_index: int, text: str, reward: float) -> Rollout:
+def rollout(batch_id: int, group_id: int, sample_index: int, text: str, reward: float, *, weight_version: int = 0,
+            version_runs: tuple[int, ...] = ()) -> Rollout:
+    """A rollout of `text`; `version_runs` (token index, version, ...): weight-version changes inside it."""
     tokenizer = CharTokenizer()
     ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
     n, k = len(ids), 2
     return Rollout(
         rollout_id=slot_rollout_id(batch_id, group_id, sample_index), batch_id=batch_id, group_id=group_id,
-        sample_index=sample_index, weight_version=0, sampler_id="s0",
+        sample_index=sample_index, weight_version=weight_version, sampler_id="s0",
         prompt_ids=np.asarray(tokenizer.encode(f"q{group_id}=", add_special_tokens=False), np.int32),
         response_ids=ids, sampler_logprobs=np.full(n, -0.5, np.float32),
         topk_ids=np.stack([ids, (ids + 1) % 40]).T.astype(np.int32), topk_logprobs=np.full((n, k), -0.5, np.float32),
-        reward=reward, finish_reason="length", temperature=1.0, top_p=1.0, top_k=-1)
+        reward=reward, finish_reason="length", temperature=1.0, top_p=1.0, top_k=-1, version_runs=version_runs)
 
 
 def test_a_batch_shows_each_groups_prompt_samples_and_per_token_log_ratios(dashboard):
@@ -170,7 +172,15 @@ def test_a_batch_shows_each_groups_prompt_samples_and_per_token_log_ratios(dashb
     texts = {(0, 0): "12", (0, 1): "7", (1, 0): "345", (1, 1): "9"}
     producer = StreamProducer(conn, stream_key(RUN_ID, "rollouts"))
     slots = sorted(texts)
-    ids = producer.send_many([rollout(0, g, s, texts[(g, s)], reward=float(g == s)) for g, s in slots])
+    # (weight_version, version_runs), else (0, ()): (1, 0) was sampled across two in-flight weight updates
+    # (token 0 by v3, token 1 by v4, token 2 by v6), (0, 1) by v5 alone
+    versions = {(1, 0): (3, (1, 4, 2, 6)), (0, 1): (5, ())}
+
+    def sent(g: int, s: int) -> Rollout:
+        weight_version, runs = versions.get((g, s), (0, ()))
+        return rollout(0, g, s, texts[(g, s)], reward=float(g == s), weight_version=weight_version, version_runs=runs)
+
+    ids = producer.send_many([sent(g, s) for g, s in slots])
     producer.send_many([rollout(1, 0, 0, "99", 1.0)])  # another batch's rollout: not shown in batch 0
     lag = np.array([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0], [0.5, 0.6, 0.7], [-0.25, 0.0, 0.0]], np.float32)
     data = encode_token_stats(batch_id=0, step=0, slots=slots, lag=lag, num=-lag,
@@ -186,11 +196,66 @@ def test_a_batch_shows_each_groups_prompt_samples_and_per_token_log_ratios(dashb
     assert sample["text"] == "345" and sample["tokens"] == ["3", "4", "5"] and sample["reward"] == 0.0
     assert sample["lag"] == pytest.approx([0.5, 0.6, 0.7], rel=2**-10) and sample["logmu"] == [-0.5] * 3
     assert groups[0]["samples"][1]["num"] == pytest.approx([-0.4], rel=2**-10)
+    # the weight version of each run of tokens: one run for a single-version sample, one more per change
+    assert sample["weight_version"] == 3
+    assert sample["version_runs"] == [{"start": 0, "version": 3}, {"start": 1, "version": 4}, {"start": 2, "version": 6}]
+    assert groups[0]["samples"][1]["weight_version"] == 5
+    assert groups[0]["samples"][1]["version_runs"] == [{"start": 0, "version": 5}]
+    assert groups[0]["samples"][0]["version_runs"] == [{"start": 0, "version": 0}]
     assert [b["batch_id"] for b in get_json(f"{base}/api/batches")[1]["batches"]] == [1, 0]
     # batch 1: the trainer has no record of it (not trained): its prompts, no rollouts, and why
     _, other = get_json(f"{base}/api/batches/1")
     assert other["num_samples"] == 0 and not other["token_stats"] and len(other["groups"]) == B
     assert "batch 1 is not trained yet" in other["note"]
+
+
+def test_the_rollout_browser_marks_where_the_weight_version_changes(dashboard):
+    """Chromium on the rollout browser of a trained batch: a sample sampled across in-flight weight updates reads
+    `v2→v3→v5` and has a `vswitch` badge (`v3`, `v5`) right before the first token of each later version, every
+    token's tooltip names its version; a single-version sample reads `v7` and has no badge; no console error."""
+    from tests.integration import browser
+
+    reason = browser.missing()
+    if reason is not None:
+        pytest.skip(reason)
+    from selenium.webdriver.common.by import By
+
+    base, stub, conn = dashboard
+    slots = [(0, 0), (0, 1)]
+    producer = StreamProducer(conn, stream_key(RUN_ID, "rollouts"))
+    ids = producer.send_many([rollout(0, 0, 0, "34567", 1.0, weight_version=2, version_runs=(1, 3, 4, 5)),
+                              rollout(0, 0, 1, "89", 0.0, weight_version=7)])
+    data = encode_token_stats(batch_id=0, step=0, slots=slots, lag=None, num=None, lengths=[5, 2], entry_ids=ids)
+    conn.call(lambda r: r.xadd(stream_key(RUN_ID, "tokens"), {DATA_FIELD: data}))
+    stub.ReportStep(pb.ReportStepRequest(step=0, batch_id=0, weight_version=0, stats={}), metadata=AUTH)  # trained
+    driver = browser.start_browser()
+    try:
+        driver.get(f"{base}/?token={READ_TOKEN}")
+        browser.open_rollouts(driver)
+        assert driver.find_element(By.ID, "groups").get_attribute("data-batch") == "0"
+
+        def shown(sample_index: int) -> tuple[str, list[tuple[str, str, str | None]], list[str]]:
+            sample = driver.find_element(By.CSS_SELECTOR, f'#groups .group[data-group="0"] [data-sample="{sample_index}"]')
+            parts = sample.find_elements(By.CSS_SELECTOR, ".tokens > span")
+            return (sample.find_element(By.CSS_SELECTOR, ".versions").text,
+                    [(p.get_attribute("class"), p.text, p.get_attribute("data-version")) for p in parts],
+                    [p.get_attribute("title") for p in parts if p.get_attribute("class") == "tok"])
+
+        label, parts, titles = shown(0)
+        assert label == "v2→v3→v5"
+        assert parts == [("tok", "3", "2"), ("vswitch", "v3", "3"), ("tok", "4", "3"), ("tok", "5", "3"),
+                         ("tok", "6", "3"), ("vswitch", "v5", "5"), ("tok", "7", "5")]
+        assert [t.split(" · ")[0] for t in titles] == ["v2", "v3", "v3", "v3", "v5"]
+        assert all("log μ -0.5000" in t for t in titles)
+        label, parts, titles = shown(1)
+        assert label == "v7" and parts == [("tok", "8", "7"), ("tok", "9", "7")]
+        assert [t.split(" · ")[0] for t in titles] == ["v7", "v7"]
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#groups .vswitch")) == 2
+        badge = driver.find_element(By.CSS_SELECTOR, "#groups .vswitch")
+        assert badge.is_displayed() and badge.value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"
+        assert browser.console_errors(driver) == []
+    finally:
+        driver.quit()
 
 
 def test_a_batch_lookup_reads_only_that_batchs_entries(dashboard):

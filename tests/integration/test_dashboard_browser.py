@@ -7,6 +7,7 @@ both views land in the run folder."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -60,6 +61,10 @@ def seen(tmp_path_factory):
                 [float(r.get_attribute("data-value")) for r in g.find_elements(By.CSS_SELECTOR, ".reward")]
                 for g in driver.find_elements(By.CSS_SELECTOR, "#groups .group")]
             found["coloured_tokens"] = len(driver.find_elements(By.CSS_SELECTOR, "#groups .tok"))
+            found["versions"] = [(s.find_element(By.CSS_SELECTOR, ".versions").text,
+                                  {t.get_attribute("title").split(" · ")[0] for t in s.find_elements(By.CSS_SELECTOR, ".tok")})
+                                 for s in driver.find_elements(By.CSS_SELECTOR, "#groups .sample")]
+            found["vswitches"] = len(driver.find_elements(By.CSS_SELECTOR, "#groups .vswitch"))
             found["summary"] = driver.find_element(By.ID, "batch-summary").text
             driver.save_screenshot(str(run_dir / "dashboard-rollouts.png"))
             found["errors"] = browser.console_errors(driver)
@@ -94,6 +99,10 @@ def test_the_rollout_browser_shows_a_trained_batch_with_its_rewards(seen):
     assert sum(rewards) / len(rewards) == pytest.approx(rows_by_batch[batch]["reward_mean"], abs=1e-9)
     assert seen["coloured_tokens"] >= 32  # every sample has at least one token
     assert "32 of 32 samples" in seen["summary"] and "log-ratios: yes" in seen["summary"]
+    # sampler.update_mode "wait" (the default): one weight version per response, named by its label and by
+    # every token's tooltip, and no version-change badge (test_dashboard_api.py has a response spanning versions)
+    assert len(seen["versions"]) == 32 and seen["vswitches"] == 0
+    assert all(re.fullmatch(r"v\d+", label) and tokens == {label} for label, tokens in seen["versions"])
 
 
 def test_no_javascript_error_and_the_screenshots_exist(seen):
