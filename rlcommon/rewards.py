@@ -1,6 +1,7 @@
 """Reward functions: pure, in [0, 1], on the decoded response (EOS already stripped) and the reference answer.
 
 - `arithmetic`, `reverse`: exact match after stripping surrounding whitespace.
+- `reverse_long`: the share of the answer's characters the response has in place (1 only for the exact answer).
 - `jsonl` (GSM8K-style): the last number in the response equals the numeric answer (commas ignored,
   floats compared with a small tolerance).
 """
@@ -31,6 +32,16 @@ def exact_match_reward(response_text: str, answer: str) -> float:
     return 1.0 if response_text.strip() == answer.strip() else 0.0
 
 
+def char_accuracy_reward(response_text: str, answer: str) -> float:
+    """The characters the response has in their answer's place over the longer of the two (after stripping
+    whitespace at both ends): 1.0 only for the exact answer; a response too long or too short loses the
+    difference."""
+    got, want = response_text.strip(), answer.strip()
+    if not want:
+        raise ValueError("char_accuracy_reward: the reference answer is empty")
+    return sum(a == b for a, b in zip(got, want, strict=False)) / max(len(got), len(want))
+
+
 def numeric_reward(response_text: str, answer: str, *, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> float:
     """1.0 if the last number of the response equals the answer's number within tolerance, else 0.0."""
     expected = parse_last_number(answer)
@@ -45,6 +56,7 @@ def numeric_reward(response_text: str, answer: str, *, rel_tol: float = 1e-6, ab
 _REWARDS: dict[str, Callable[[str, str], float]] = {
     "arithmetic": exact_match_reward,
     "reverse": exact_match_reward,
+    "reverse_long": char_accuracy_reward,
     "jsonl": numeric_reward,
 }
 REWARD_KINDS = tuple(_REWARDS)

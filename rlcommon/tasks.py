@@ -3,6 +3,9 @@
 - `arithmetic` (default): "3+4=" -> "7". Difficulty 1 is single-digit a+b; higher levels add digits,
   subtraction and operands (see `ARITHMETIC_LEVELS`).
 - `reverse`: "rev:abc=" -> "cba"; the string length grows with difficulty.
+- `reverse_long`: the same with strings of 16 x difficulty - 8 to 16 x difficulty letters (72-80 at difficulty
+  5: responses of 64-128 tokens, where in-flight weight updates matter), rewarded per letter in place
+  (`rewards.char_accuracy_reward`), so a small model gets a graded signal on answers it never gets whole.
 - `jsonl`: GSM8K-style `{"question": ..., "answer": ...}` lines; the answer's final number (after
   `####` when present) is the reference, checked numerically by `rewards.numeric_reward`.
 
@@ -75,6 +78,12 @@ def _reverse(rng: random.Random, difficulty: int) -> Problem:
     length = rng.randint(difficulty + 1, difficulty + 2)
     text = "".join(rng.choice(REVERSE_ALPHABET) for _ in range(length))
     return Problem(prompt=f"rev:{text}=", answer=text[::-1], kind="reverse")
+
+
+def _reverse_long(rng: random.Random, difficulty: int) -> Problem:
+    length = rng.randint(16 * difficulty - 8, 16 * difficulty)
+    text = "".join(rng.choice(REVERSE_ALPHABET) for _ in range(length))
+    return Problem(prompt=f"rev:{text}=", answer=text[::-1], kind="reverse_long")
 
 
 def _format_number(value: float) -> str:
@@ -156,6 +165,8 @@ class TaskSource:
         rng = random.Random(f"{self.cfg.kind}:{stream}:{index}")
         if self.cfg.kind == "arithmetic":
             return _arithmetic(rng, self.cfg.difficulty)
+        if self.cfg.kind == "reverse_long":
+            return _reverse_long(rng, self.cfg.difficulty)
         return _reverse(rng, self.cfg.difficulty)
 
     def _epoch_order(self, epoch: int) -> list[int]:

@@ -25,10 +25,12 @@ class ModelConfig(StrictModel):
 
 
 class TaskConfig(StrictModel):
-    kind: Literal["arithmetic", "reverse", "jsonl"] = "arithmetic"
-    """Task family: synthetic arithmetic (default), string reversal, or a GSM8K-style JSONL file."""
+    kind: Literal["arithmetic", "reverse", "reverse_long", "jsonl"] = "arithmetic"
+    """Task family: synthetic arithmetic (default), string reversal (`reverse_long`: 8-80 letters, rewarded per
+    letter: long responses), or a GSM8K-style JSONL file."""
     difficulty: int = Field(1, ge=1, le=5)
-    """Arithmetic: number of digits / operands grows with difficulty; reverse: string length."""
+    """Arithmetic: number of digits / operands grows with difficulty; reverse: string length (difficulty + 1 to
+    + 2 letters; reverse_long: 16 x difficulty - 8 to 16 x difficulty)."""
     path: str | None = None
     """JSONL file of {question, answer} for kind = jsonl."""
     seed: int = Field(0, ge=0)

@@ -4,7 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcommon.rewards import REWARD_KINDS, exact_match_reward, numeric_reward, parse_last_number, reward
+from rlcommon.rewards import (
+    REWARD_KINDS,
+    char_accuracy_reward,
+    exact_match_reward,
+    numeric_reward,
+    parse_last_number,
+    reward,
+)
 
 
 @pytest.mark.parametrize(
@@ -63,6 +70,27 @@ def test_numeric_reward(response, answer, expected):
     assert numeric_reward(response, answer) == expected
 
 
+@pytest.mark.parametrize(
+    ("response", "answer", "expected"),
+    [
+        ("dcba", "dcba", 1.0),
+        (" dcba\n", "dcba", 1.0),
+        ("dcbx", "dcba", 0.75),
+        ("dcb", "dcba", 0.75),  # one letter missing
+        ("dcbaaaaa", "dcba", 0.5),  # running on past the answer costs the extra letters
+        ("abcd", "dcba", 0.0),
+        ("", "dcba", 0.0),
+    ],
+)
+def test_char_accuracy_reward(response, answer, expected):
+    assert char_accuracy_reward(response, answer) == expected
+
+
+def test_char_accuracy_reward_needs_an_answer():
+    with pytest.raises(ValueError, match="answer is empty"):
+        char_accuracy_reward("abc", " ")
+
+
 def test_numeric_reward_needs_a_numeric_answer():
     with pytest.raises(ValueError, match="holds no number"):
         numeric_reward("42", "forty-two")
@@ -72,11 +100,12 @@ def test_reward_dispatch_by_kind():
     assert reward("arithmetic", " 12", "12") == 1.0
     assert reward("reverse", "cba", "abc") == 0.0
     assert reward("jsonl", "so 3,000 in all", "3000") == 1.0
-    assert set(REWARD_KINDS) == {"arithmetic", "reverse", "jsonl"}
+    assert reward("reverse_long", "cbx", "cba") == pytest.approx(2 / 3)
+    assert set(REWARD_KINDS) == {"arithmetic", "reverse", "reverse_long", "jsonl"}
 
 
 def test_unknown_kind_names_the_choices():
-    with pytest.raises(ValueError, match="unknown reward kind 'gsm9k'.*arithmetic, reverse, jsonl"):
+    with pytest.raises(ValueError, match="unknown reward kind 'gsm9k'.*arithmetic, reverse, reverse_long, jsonl"):
         reward("gsm9k", "1", "1")
 
 

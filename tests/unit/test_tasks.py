@@ -49,7 +49,16 @@ def test_reverse(difficulty):
         assert problem.kind == "reverse"
 
 
-@pytest.mark.parametrize("kind", ["arithmetic", "reverse"])
+@pytest.mark.parametrize("difficulty", [1, 5])
+def test_reverse_long(difficulty):
+    for problem in problems(TaskConfig(kind="reverse_long", difficulty=difficulty), 50):
+        text = re.fullmatch(r"rev:([a-z]+)=", problem.prompt).group(1)
+        assert 16 * difficulty - 8 <= len(text) <= 16 * difficulty
+        assert problem.answer == text[::-1]
+        assert problem.kind == "reverse_long"
+
+
+@pytest.mark.parametrize("kind", ["arithmetic", "reverse", "reverse_long"])
 def test_deterministic_by_seed_and_index(kind):
     cfg = TaskConfig(kind=kind, difficulty=3, seed=7)
     assert problems(cfg) == problems(cfg.model_copy())
