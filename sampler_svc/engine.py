@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 __all__ = ["EngineError", "Sample", "SamplerEngine"]
 
 logger = logging.getLogger(__name__)
+SWAPPED_LOG = "weights swapped v%d -> v%d in %.3f s (%s: %d requests in flight; waited %.3f s for them)"
+"""The line after each swap: versions, seconds of the pause + load + resume, the mode, the requests in flight,
+the seconds new requests waited for those to finish first (`wait`). benchmarks/update_modes.py reads it."""
 
 FINISHED_REASONS = ("stop", "length")
 """Finish reasons of a complete sample; anything else (an abort) raises EngineError."""
@@ -598,7 +601,7 @@ class SamplerEngine:
                 with contextlib.suppress(Exception):
                     await llm.resume_generation()
         logger.info(
-            "weights swapped v%d -> v%d in %.3f s (%s: %d requests in flight; waited %.3f s for them)",
+            SWAPPED_LOG,
             previous,
             weight_version,
             time.perf_counter() - started,

@@ -381,6 +381,20 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Any]:
+    """The trained weights of checkpoint `path` into `model` (built from the run's model folder), nothing else:
+    for evaluations and exports. Returns the checkpoint's trainer_state.json dict. ValueError if the folder is
+    not a complete checkpoint."""
+    folder = Path(path)
+    missing = [name for name in _STATE_FILES if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(f"{folder}: not a complete checkpoint (missing {', '.join(missing)})")
+    state = {"model": distinct_model_state(model)}
+    _dcp(dcp.load, state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # a tied head: the embedding
+    return json.loads((folder / "trainer_state.json").read_text())
+
+
 def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> dict[str, Any]:
     """Restore `train_step` (built with the same model architecture and config, on any number of ranks) from
     checkpoint `path`. With ranks: called by every rank.

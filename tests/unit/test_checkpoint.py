@@ -30,6 +30,7 @@ from trainer_svc.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_model_weights,
     save_checkpoint,
 )
 from trainer_svc.step import TrainStep
@@ -292,6 +293,21 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     writer.start(checkpoints, train_step=resumed)
     assert writer.wait() == checkpoints / "step_00000002"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002"]
+
+
+def test_load_model_weights_takes_the_trained_weights_only(tmp_path, tied):
+    train_step = TrainStep(tiny_model(tied=tied, seed=0), config=TrainerConfig(method="dlc"))
+    train(train_step, range(2))
+    path = save_checkpoint(tmp_path, train_step=train_step)
+    model = tiny_model(tied=tied, seed=123)  # another init: every weight must come from the checkpoint
+    assert load_model_weights(path, model)["step"] == 2
+    assert is_tied(model) == tied
+    trained = train_step.model.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    (path / "rng.pt").unlink()
+    with pytest.raises(ValueError, match="missing rng.pt"):
+        load_model_weights(path, model)
 
 
 def test_load_rejects_incomplete_or_foreign_checkpoints(tmp_path, tied):
