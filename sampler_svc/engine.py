@@ -162,13 +162,25 @@ def execution_settings(sampler: SamplerConfig, *, on_cpu: bool) -> dict[str, Any
     """How vLLM runs the model: `enforce_eager` (the config's; None: eager on CPU, compiled on GPU), the
     executor (`sampler.cpu_executor` on CPU; None on GPU: vLLM's default) and the environment that executor
     needs (`uni` on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vLLM's CPU platform forces `mp`;
-    AsyncLLM keeps its engine-core process either way)."""
+    AsyncLLM keeps its engine-core process either way).
+
+    `scheduler`: on CPU, no chunked prefill, and a step's token budget of at least one whole sequence. vLLM
+    rewinds a seeded request's generator when it drops the token sampled after a partial prefill
+    (`set_offset`), which CPU generators do not have: "CPU Generator does not use offset" kills the engine core
+    as soon as a step's prompts exceed the budget (2048 tokens: 32 prompts of 80). Whole prompts only, never a
+    partial prefill to rewind. On GPU: vLLM's defaults."""
     executor = sampler.cpu_executor if on_cpu else None
     return {
         "enforce_eager": sampler.enforce_eager if sampler.enforce_eager is not None else on_cpu,
         "executor": executor,
         "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if executor == "uni" else {},
+        "scheduler": {"enable_chunked_prefill": False,
+                      "max_num_batched_tokens": max(sampler.max_model_len, CPU_STEP_TOKENS)} if on_cpu else {},
     }
+
+
+CPU_STEP_TOKENS = 2048
+"""The tokens of one engine step on CPU (vLLM's default budget), or max_model_len when that is larger."""
 
 
 ENGINE_STOP_TIMEOUT_S = 0.2
@@ -283,6 +295,7 @@ class SamplerEngine:
             weight_transfer_config={"backend": TRANSFER_BACKEND},
             enforce_eager=execution["enforce_eager"],
             distributed_executor_backend=execution["executor"],
+            **execution["scheduler"],
         )
         started = time.perf_counter()
         self._gate = _VersionGate()

@@ -161,6 +161,29 @@ def test_same_seed_same_samples(sampler_engine, tiny_model_dir):
     assert [s.response_ids.tolist() for s in first] == [s.response_ids.tolist() for s in again]
 
 
+def test_seeded_requests_whose_prompts_overflow_a_step_are_served(sampler_engine, tiny_model_dir):
+    """More prompt tokens at once than one engine step takes (CPU_STEP_TOKENS), every request seeded: with
+    chunked prefill vLLM's CPU engine died rewinding a partially prefilled request's generator ("CPU Generator
+    does not use offset", a run of the reverse_long task); each prompt now waits for a step it fits in whole."""
+    from sampler_svc.engine import CPU_STEP_TOKENS
+
+    engine = sampler_engine.engine
+    tokenizer = load_tokenizer(tiny_model_dir)
+    source = TaskSource(TaskConfig(kind="reverse_long", difficulty=5))
+    long_prompts = [tokenizer.encode(source.problem(i).prompt) for i in range(32)]
+    assert sum(map(len, long_prompts)) > CPU_STEP_TOKENS
+
+    async def all_at_once():
+        return await asyncio.gather(*(engine.generate(p, num_samples=1, seed=100 + i)
+                                      for i, p in enumerate(long_prompts)))
+
+    results = sampler_engine.run(all_at_once())
+    assert [len(r) for r in results] == [1] * len(long_prompts)
+    assert all(len(r[0].response_ids) >= 1 for r in results)
+    again = sampler_engine.run(engine.generate(long_prompts[5], num_samples=1, seed=105))
+    assert again[0].response_ids.tolist() == results[5][0].response_ids.tolist(), "the seed decides the sample"
+
+
 def test_sampled_logprobs_match_trainer_at_same_weights(sampler_engine):
     worst = assert_matches_served_version(sampler_engine, seed=21)
     print(f"float32 engine vs trainer: max |gap| = {worst:.2e}")

@@ -443,11 +443,17 @@ def test_check_compatible_names_the_differing_keys(tmp_path, tiny_source):
 def test_execution_settings_eager_and_one_process_on_cpu_compiled_on_gpu():
     from sampler_svc.engine import execution_settings
 
+    whole_prompts = {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048}
     cpu = execution_settings(SamplerConfig(), on_cpu=True)
-    assert cpu == {"enforce_eager": True, "executor": "uni", "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
-    assert execution_settings(SamplerConfig(), on_cpu=False) == {"enforce_eager": False, "executor": None, "env": {}}
+    assert cpu == {"enforce_eager": True, "executor": "uni", "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                   "scheduler": whole_prompts}
+    assert execution_settings(SamplerConfig(), on_cpu=False) == {"enforce_eager": False, "executor": None, "env": {},
+                                                                 "scheduler": {}}
     chosen = SamplerConfig(enforce_eager=False, cpu_executor="mp")
-    assert execution_settings(chosen, on_cpu=True) == {"enforce_eager": False, "executor": "mp", "env": {}}
+    assert execution_settings(chosen, on_cpu=True) == {"enforce_eager": False, "executor": "mp", "env": {},
+                                                       "scheduler": whole_prompts}
+    long = execution_settings(SamplerConfig(max_model_len=4096), on_cpu=True)["scheduler"]
+    assert long == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}  # one whole sequence fits
     assert execution_settings(SamplerConfig(enforce_eager=True), on_cpu=False)["enforce_eager"] is True
     with pytest.raises(ValueError, match="cpu_executor"):
         SamplerConfig(cpu_executor="ray")
