@@ -1,7 +1,8 @@
 """In-flight weight updates side by side: `sampler.update_mode` = wait, keep and abort on long responses, in one run.
 
-    python -m benchmarks.update_modes [--modes wait,keep,abort] [--steps 30] [--warmup 5] [--references 2]
-                                      [--out runs/bench-update-modes] [--json] [any --section.key=value]
+    python -m benchmarks.update_modes [--modes wait,keep,abort] [--repeats 2] [--steps 30] [--warmup 5]
+                                      [--references 2] [--out runs/bench-update-modes] [--json]
+                                      [any --section.key=value]
 
 The setting (`LONG_RESPONSES`, each key overridable on the command line): the `reverse_long` task at difficulty 5
 (72-80 letters, so responses of 64-128 tokens, where draining in-flight requests matters), `max_tokens` 128, a
@@ -10,7 +11,10 @@ two batches in flight. Every run is `launcher.run` (what `make run` runs), warm-
 
 1. `--references` on-policy runs (`sync_policy = always`, one batch in flight, `wait`: every batch sampled by the
    weights just trained), sampler seeds 0, 1, ...: the reference and the noise threshold of the distance;
-2. one run per update mode, sampler seed 0.
+2. `--repeats` rounds of one run per update mode (wait, keep, abort, wait, keep, abort, ...: the modes side by
+   side in time, so the machine's drift falls on all of them), sampler seed 100 + the round: the modes of a round
+   sample with the same seeds, and no run shares the references' seeds (a run sampling with the first
+   reference's seeds would sit closer to it than the noise threshold, which compares different seeds).
 
 Per run, over the steps after the warm-up: steps/s and tokens/s; the trainer's wait for its batch per step;
 per sync, from the samplers' own log lines (`sampler_svc/engine.py`'s "weights swapped" line), the seconds new
@@ -21,7 +25,8 @@ requests were held back: `drain_s` (a `wait` update waiting for the requests in 
 The distance to on-policy training at the last step T (experiments/kl.py): prefixes sampled (HF `generate`) by
 the first reference's final weights on the task's fixed evaluation prompts; `kl` = KL(pi_ref0,T || pi_run,T) per
 token on them, `kl_ratio` = kl / the noise threshold (the mean KL of the other references to the first on the
-same prefixes). Each run's final weights come from its last checkpoint. Results go to a fresh
+same prefixes). Each run's final weights come from its last checkpoint. A mode's figures are the mean over its
+runs; `spread` gives the lowest and highest of its steps/s and KL ratio. Results go to a fresh
 `<out>/run-YYYYmmdd-HHMMSS/` (`update_modes.json`, `update_modes.png`); progress lines go to stderr.
 """
 
@@ -47,6 +52,8 @@ LONG_RESPONSES = (
 """The long-response setting; later flags on the command line win."""
 ON_POLICY = ("--coordinator.sync_policy=always", "--coordinator.max_inflight_batches=1", "--sampler.update_mode=wait")
 """What makes a reference run on-policy: each batch planned once the last is trained, sampled by its weights."""
+RUN_SEED = 100
+"""The sampler seed of the modes' first round (the references take 0, 1, ...)."""
 EVAL_SAMPLES = 2
 """Prefixes sampled per evaluation prompt for the distance."""
 
@@ -187,18 +194,42 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's figures: the mean over its runs of every number (the `sync` ones too), the runs themselves, and
+    the lowest and highest steps/s and KL ratio (`spread`)."""
+    def mean_of(key: str, rows: list[dict[str, Any]]) -> Any:
+        values = [r[key] for r in rows]
+        if all(isinstance(v, dict) for v in values):
+            return {k: mean_of(k, values) for k in values[0]}
+        if any(v is None for v in values) or not all(isinstance(v, int | float) for v in values):
+            return None
+        return mean(values)
+
+    numbers = {key: mean_of(key, runs) for key in runs[0] if key != "run_dir"}
+    spread = {key: [min(r[key] for r in runs), max(r[key] for r in runs)]
+              for key in ("steps_per_s", "kl_ratio") if all(r.get(key) is not None for r in runs)}
+    return {**numbers, "spread": spread, "runs": runs}
+
+
 def table(result: dict[str, Any]) -> str:
-    """The README's markdown table of the figures."""
+    """The README's markdown table of the figures (steps/s and KL ratio: mean, [lowest, highest] over the runs)."""
+    def with_spread(f: dict[str, Any], key: str, digits: int) -> str:
+        if f.get(key) is None:
+            return "n/a"
+        low_high = f.get("spread", {}).get(key)
+        if not low_high or len(f.get("runs", [])) < 2:
+            return f"{f[key]:.{digits}f}"
+        return f"{f[key]:.{digits}f} [{low_high[0]:.{digits}f}, {low_high[1]:.{digits}f}]"
+
     lines = ["| update_mode | steps/s | tokens/s | held per sync (drain + swap) | trainer wait / step | "
              "staleness / token (mean, max) | spanning / step | KL / noise |",
              "|---|---|---|---|---|---|---|---|"]
     for mode, f in result["modes"].items():
         s = f["sync"]
-        ratio = "n/a" if f.get("kl_ratio") is None else f"{f['kl_ratio']:.2f}"
-        lines.append(f"| `{mode}` | {f['steps_per_s']:.3f} | {f['tokens_per_s']:.0f} | {s['stall_s']:.3f} s "
-                     f"({s['drain_s']:.3f} + {s['swap_s']:.3f}) | {f['trainer_wait_s']:.3f} s | "
+        lines.append(f"| `{mode}` | {with_spread(f, 'steps_per_s', 3)} | {f['tokens_per_s']:.0f} | "
+                     f"{s['stall_s']:.3f} s ({s['drain_s']:.3f} + {s['swap_s']:.3f}) | {f['trainer_wait_s']:.3f} s | "
                      f"{f['staleness_token_mean']:.2f}, {f['staleness_token_max']:.0f} | "
-                     f"{f['spanning_rollouts_per_step']:.1f} | {ratio} |")
+                     f"{f['spanning_rollouts_per_step']:.1f} | {with_spread(f, 'kl_ratio', 2)} |")
     return "\n".join(lines)
 
 
@@ -207,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.update_modes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default=",".join(UPDATE_MODES), help="update modes to compare, in order")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved")
     parser.add_argument("--steps", type=int, default=30, help="measured steps of each run (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=5, help="steps of each run before the measurement")
     parser.add_argument("--references", type=int, default=2,
@@ -221,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--modes: {unknown or 'none given'}; choose from {', '.join(UPDATE_MODES)}")
     if args.references < 1:
         parser.error("--references must be >= 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     setting = [*LONG_RESPONSES, *rest]
     out = fresh_bench_folder(Path(args.out).resolve())
     log(f"runs and results: {out}")
@@ -234,17 +268,22 @@ def main(argv: list[str] | None = None) -> int:
         result["references"].append(one_run([*setting, *ON_POLICY, f"--sampler.seed={index}"], run_dir,
                                             steps=args.steps, warmup=args.warmup))
         reference_dirs.append(run_dir)
-    for mode in modes:
-        log(f"update_mode = {mode}: {args.warmup} + {args.steps} steps")
-        result["modes"][mode] = one_run([*setting, f"--sampler.update_mode={mode}", "--sampler.seed=0"],
-                                        out / mode, steps=args.steps, warmup=args.warmup)
-        log(f"{mode}: {result['modes'][mode]['steps_per_s']:.3f} steps/s, "
-            f"stall per sync {result['modes'][mode]['sync']['stall_s']:.3f} s")
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    for repeat in range(args.repeats):
+        for mode in modes:
+            log(f"update_mode = {mode} ({repeat + 1}/{args.repeats}): {args.warmup} + {args.steps} steps")
+            figures = one_run([*setting, f"--sampler.update_mode={mode}", f"--sampler.seed={RUN_SEED + repeat}"],
+                              out / f"{mode}-{repeat}", steps=args.steps, warmup=args.warmup)
+            runs[mode].append(figures)
+            log(f"{mode}: {figures['steps_per_s']:.3f} steps/s, held per sync {figures['sync']['stall_s']:.3f} s")
     log("distance to on-policy: the runs' final weights against the reference's")
-    dist = distances(setting, reference_dirs, {m: out / m for m in modes})
+    dist = distances(setting, reference_dirs, {f"{m}/{i}": Path(r["run_dir"])
+                                               for m, rs in runs.items() for i, r in enumerate(rs)})
     result["distance"] = {k: v for k, v in dist.items() if k != "runs"}
-    for mode, figures in dist["runs"].items():
-        result["modes"][mode].update(figures)
+    for mode, mode_runs in runs.items():
+        for index, figures in enumerate(mode_runs):
+            figures.update(dist["runs"][f"{mode}/{index}"])
+        result["modes"][mode] = aggregate(mode_runs)
     result["table"] = table(result)
     result["plot"] = str(plot(result, out / "update_modes.png"))
     result["wall_s"] = time.time() - started

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from benchmarks.update_modes import SWAPPED, main, run_figures, swap_figures, table
+from benchmarks.update_modes import SWAPPED, aggregate, main, run_figures, swap_figures, table
 from sampler_svc.engine import SWAPPED_LOG
 
 
@@ -50,19 +50,37 @@ def test_run_figures_cover_the_steps_after_the_warmup():
     assert figures["trainer_wait_s"] == pytest.approx(0.5)
 
 
+def figures(steps_per_s: float, kl_ratio: float | None, stall_s: float = 0.9) -> dict:
+    return {"run_dir": "/x", "steps_per_s": steps_per_s, "tokens_per_s": 300.0, "trainer_wait_s": 1.0,
+            "staleness_token_mean": 0.7, "staleness_token_max": 2, "spanning_rollouts_per_step": 3.0,
+            "kl": None if kl_ratio is None else 0.1 * kl_ratio, "kl_ratio": kl_ratio,
+            "sync": {"stall_s": stall_s, "drain_s": stall_s - 0.1, "swap_s": 0.1, "swaps": 3}}
+
+
+def test_aggregate_means_every_number_and_keeps_the_spread():
+    mode = aggregate([figures(0.5, 1.0, stall_s=0.5), figures(0.7, 2.0, stall_s=1.5)])
+    assert mode["steps_per_s"] == pytest.approx(0.6) and mode["kl_ratio"] == pytest.approx(1.5)
+    assert mode["sync"]["stall_s"] == pytest.approx(1.0) and mode["sync"]["swaps"] == 3
+    assert mode["spread"] == {"steps_per_s": [0.5, 0.7], "kl_ratio": [1.0, 2.0]}
+    assert len(mode["runs"]) == 2 and "run_dir" not in mode
+    no_noise = aggregate([figures(0.5, None), figures(0.7, None)])  # one reference: no threshold, no ratio
+    assert no_noise["kl_ratio"] is None and "kl_ratio" not in no_noise["spread"]
+
+
 def test_table_has_a_row_per_mode():
-    figures = {"steps_per_s": 0.5, "tokens_per_s": 300.0, "trainer_wait_s": 1.0, "staleness_token_mean": 0.7,
-               "staleness_token_max": 2, "spanning_rollouts_per_step": 3.0, "kl_ratio": 1.25,
-               "sync": {"stall_s": 0.9, "drain_s": 0.8, "swap_s": 0.1}}
-    text = table({"modes": {"wait": figures, "keep": {**figures, "kl_ratio": None}}})
+    text = table({"modes": {"wait": aggregate([figures(0.5, 1.0), figures(0.7, 1.5)]),
+                            "keep": aggregate([figures(0.5, None)])}})
     lines = text.splitlines()
-    assert len(lines) == 4 and lines[2].startswith("| `wait` | 0.500 | 300 | 0.900 s (0.800 + 0.100)")
-    assert lines[2].endswith("| 1.25 |") and lines[3].endswith("| n/a |")
+    assert len(lines) == 4
+    assert lines[2].startswith("| `wait` | 0.600 [0.500, 0.700] | 300 | 0.900 s (0.800 + 0.100)")
+    assert lines[2].endswith("| 1.25 [1.00, 1.50] |") and lines[3].endswith("| n/a |")
+    assert lines[3].startswith("| `keep` | 0.500 | 300 |")  # one run: no spread
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--modes", "wait,drain"], "--modes: \\['drain'\\]"),
     (["--references", "0"], "--references must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_bad_arguments_are_refused_before_any_run(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
