@@ -87,7 +87,8 @@ def run_figures(rows: list[dict[str, Any]], *, warmup: int, rollouts_per_step: i
     steady = rows[warmup:]
     return {
         "steps_per_s": figures["steps_per_s"], "tokens_per_s": figures["tokens_per_s"],
-        "trainer_wait_s": figures["trainer_stages_s"]["wait"], "reward_last": figures["reward_last"],
+        "trainer_wait_s": figures["trainer_stages_s"]["wait"], "trainer_train_s": figures["trainer_stages_s"]["train"],
+        "reward_last": figures["reward_last"],
         "response_length_mean": mean(r["response_length_mean"] for r in steady),
         "staleness_token_mean": mean(r[STALENESS_MEAN] for r in steady),
         "staleness_token_max": max(r[STALENESS_MAX] for r in steady),
@@ -196,7 +197,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A mode's figures: the mean over its runs of every number (the `sync` ones too), the runs themselves, and
-    the lowest and highest steps/s and KL ratio (`spread`)."""
+    the lowest and highest steps/s, tokens/s and KL ratio (`spread`)."""
     def mean_of(key: str, rows: list[dict[str, Any]]) -> Any:
         values = [r[key] for r in rows]
         if all(isinstance(v, dict) for v in values):
@@ -207,12 +208,13 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     numbers = {key: mean_of(key, runs) for key in runs[0] if key != "run_dir"}
     spread = {key: [min(r[key] for r in runs), max(r[key] for r in runs)]
-              for key in ("steps_per_s", "kl_ratio") if all(r.get(key) is not None for r in runs)}
+              for key in ("steps_per_s", "tokens_per_s", "kl_ratio") if all(r.get(key) is not None for r in runs)}
     return {**numbers, "spread": spread, "runs": runs}
 
 
 def table(result: dict[str, Any]) -> str:
-    """The README's markdown table of the figures (steps/s and KL ratio: mean, [lowest, highest] over the runs)."""
+    """The README's markdown table of the figures (steps/s, tokens/s and KL ratio: mean, [lowest, highest] over the
+    runs)."""
     def with_spread(f: dict[str, Any], key: str, digits: int) -> str:
         if f.get(key) is None:
             return "n/a"
@@ -221,13 +223,14 @@ def table(result: dict[str, Any]) -> str:
             return f"{f[key]:.{digits}f}"
         return f"{f[key]:.{digits}f} [{low_high[0]:.{digits}f}, {low_high[1]:.{digits}f}]"
 
-    lines = ["| update_mode | steps/s | tokens/s | held per sync (drain + swap) | trainer wait / step | "
-             "staleness / token (mean, max) | spanning / step | KL / noise |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| update_mode | steps/s | tokens/s | response tokens | held per sync (drain + swap) | trainer step, "
+             "wait | staleness / token (mean, max) | spanning / step | KL / noise |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, f in result["modes"].items():
         s = f["sync"]
-        lines.append(f"| `{mode}` | {with_spread(f, 'steps_per_s', 3)} | {f['tokens_per_s']:.0f} | "
-                     f"{s['stall_s']:.3f} s ({s['drain_s']:.3f} + {s['swap_s']:.3f}) | {f['trainer_wait_s']:.3f} s | "
+        lines.append(f"| `{mode}` | {with_spread(f, 'steps_per_s', 3)} | {with_spread(f, 'tokens_per_s', 0)} | "
+                     f"{f['response_length_mean']:.1f} | {s['stall_s']:.3f} s ({s['drain_s']:.3f} + {s['swap_s']:.3f}) | "
+                     f"{f['trainer_train_s']:.3f} s, {f['trainer_wait_s']:.3f} s | "
                      f"{f['staleness_token_mean']:.2f}, {f['staleness_token_max']:.0f} | "
                      f"{f['spanning_rollouts_per_step']:.1f} | {with_spread(f, 'kl_ratio', 2)} |")
     return "\n".join(lines)

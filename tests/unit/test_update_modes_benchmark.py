@@ -48,10 +48,12 @@ def test_run_figures_cover_the_steps_after_the_warmup():
     assert figures["staleness_token_max"] == 2
     assert figures["spanning_rollouts_per_step"] == pytest.approx(2.0)
     assert figures["trainer_wait_s"] == pytest.approx(0.5)
+    assert figures["trainer_train_s"] == 0.0  # no row had the stage
 
 
 def figures(steps_per_s: float, kl_ratio: float | None, stall_s: float = 0.9) -> dict:
     return {"run_dir": "/x", "steps_per_s": steps_per_s, "tokens_per_s": 300.0, "trainer_wait_s": 1.0,
+            "trainer_train_s": 0.5, "response_length_mean": 70.0,
             "staleness_token_mean": 0.7, "staleness_token_max": 2, "spanning_rollouts_per_step": 3.0,
             "kl": None if kl_ratio is None else 0.1 * kl_ratio, "kl_ratio": kl_ratio,
             "sync": {"stall_s": stall_s, "drain_s": stall_s - 0.1, "swap_s": 0.1, "swaps": 3}}
@@ -61,7 +63,7 @@ def test_aggregate_means_every_number_and_keeps_the_spread():
     mode = aggregate([figures(0.5, 1.0, stall_s=0.5), figures(0.7, 2.0, stall_s=1.5)])
     assert mode["steps_per_s"] == pytest.approx(0.6) and mode["kl_ratio"] == pytest.approx(1.5)
     assert mode["sync"]["stall_s"] == pytest.approx(1.0) and mode["sync"]["swaps"] == 3
-    assert mode["spread"] == {"steps_per_s": [0.5, 0.7], "kl_ratio": [1.0, 2.0]}
+    assert mode["spread"] == {"steps_per_s": [0.5, 0.7], "tokens_per_s": [300.0, 300.0], "kl_ratio": [1.0, 2.0]}
     assert len(mode["runs"]) == 2 and "run_dir" not in mode
     no_noise = aggregate([figures(0.5, None), figures(0.7, None)])  # one reference: no threshold, no ratio
     assert no_noise["kl_ratio"] is None and "kl_ratio" not in no_noise["spread"]
@@ -72,9 +74,10 @@ def test_table_has_a_row_per_mode():
                             "keep": aggregate([figures(0.5, None)])}})
     lines = text.splitlines()
     assert len(lines) == 4
-    assert lines[2].startswith("| `wait` | 0.600 [0.500, 0.700] | 300 | 0.900 s (0.800 + 0.100)")
+    assert lines[2].startswith("| `wait` | 0.600 [0.500, 0.700] | 300 [300, 300] | 70.0 | 0.900 s (0.800 + 0.100) | "
+                               "0.500 s, 1.000 s | 0.70, 2 | 3.0 |")
     assert lines[2].endswith("| 1.25 [1.00, 1.50] |") and lines[3].endswith("| n/a |")
-    assert lines[3].startswith("| `keep` | 0.500 | 300 |")  # one run: no spread
+    assert lines[3].startswith("| `keep` | 0.500 | 300 | 70.0 |")  # one run: no spread
 
 
 @pytest.mark.parametrize(("argv", "message"), [
