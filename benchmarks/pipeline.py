@@ -22,6 +22,9 @@
 4. `separate_devices_model`: what these figures predict with the trainer and the samplers on devices of their
    own (GPUs): `separate_devices` below.
 
+`--update-modes`: instead, the long-response setting with `sampler.update_mode` wait, keep and abort side by side
+(benchmarks/update_modes.py, which takes the remaining arguments).
+
 Every invocation starts from a fresh folder, `<out>/run-YYYYmmdd-HHMMSS/` (its run folders `pipeline-run/` and
 `inprocess/`, `pipeline.json` and `breakdown.png`: stacked bars of seconds per step by stage), so a second
 invocation never resumes the first's run and earlier results stay beside the new ones. Prints the JSON
@@ -180,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pipeline", action="store_true")
     parser.add_argument("--no-inprocess", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the JSON only")
+    parser.add_argument("--update-modes", action="store_true",
+                        help="compare sampler.update_mode wait / keep / abort on long responses (benchmarks.update_modes)")
     args, rest = parser.parse_known_args(argv)
+    if args.update_modes:
+        from benchmarks.update_modes import main as update_modes_main
+
+        given = sys.argv[1:] if argv is None else argv
+        return update_modes_main([a for a in given if a != "--update-modes"])
     out = fresh_bench_folder(Path(args.out).resolve())
     log(f"runs and results: {out}")
     result: dict[str, Any] = {"command": "python -m benchmarks.pipeline " + " ".join(argv or sys.argv[1:]),

@@ -91,3 +91,13 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path, capsys, argv, messag
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
     assert not any(tmp_path.iterdir()), "nothing was started"
+
+
+def test_the_pipeline_benchmark_hands_update_modes_over(tmp_path, capsys):
+    from benchmarks.pipeline import main as pipeline_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        pipeline_main(["--update-modes", "--modes", "drain", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "python -m benchmarks.update_modes" in capsys.readouterr().err  # its parser answered
+    assert not any(tmp_path.iterdir())
