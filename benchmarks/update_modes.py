@@ -9,8 +9,10 @@ The setting (`LONG_RESPONSES`, each key overridable on the command line): the `r
 sync after every step (`every_k` 1: every mode gets the same updates, as many as can land inside a response),
 two batches in flight. Every run is `launcher.run` (what `make run` runs), warm-up + steps steps:
 
-1. `--references` on-policy runs (`sync_policy = always`, one batch in flight, `wait`: every batch sampled by the
-   weights just trained), sampler seeds 0, 1, ...: the reference and the noise threshold of the distance;
+1. `--references` reference runs, as near on-policy as the pipeline samples (`sync_policy = always`, one batch in
+   flight, `wait`): batch k+1 is planned when batch k is complete, before it is trained, so it is sampled by the
+   weights before step k (staleness 1 per token, the floor), sampler seeds 0, 1, ...: the reference and the
+   noise threshold of the distance;
 2. `--repeats` rounds of one run per update mode (wait, keep, abort, wait, keep, abort, ...: the modes side by
    side in time, so the machine's drift falls on all of them), sampler seed 100 + the round: the modes of a round
    sample with the same seeds, and no run shares the references' seeds (a run sampling with the first
@@ -51,7 +53,8 @@ LONG_RESPONSES = (
 )
 """The long-response setting; later flags on the command line win."""
 ON_POLICY = ("--coordinator.sync_policy=always", "--coordinator.max_inflight_batches=1", "--sampler.update_mode=wait")
-"""What makes a reference run on-policy: each batch planned once the last is trained, sampled by its weights."""
+"""What makes a reference run as near on-policy as the pipeline gets: one batch in flight (planned when the last is
+complete), a publish after every step, loaded only between requests: one version behind the trainer, never more."""
 RUN_SEED = 100
 """The sampler seed of the modes' first round (the references take 0, 1, ...)."""
 EVAL_SAMPLES = 2
@@ -173,9 +176,16 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
     modes = list(result["modes"])
     figures = [result["modes"][m] for m in modes]
+    def spread_bars(key: str) -> list[list[float]] | None:
+        """Error bars from a mode's mean down to its lowest run and up to its highest."""
+        if not all(key in f.get("spread", {}) and f.get(key) is not None for f in figures):
+            return None
+        return [[f[key] - f["spread"][key][0] for f in figures], [f["spread"][key][1] - f[key] for f in figures]]
+
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
-    axes[0].bar(modes, [f["steps_per_s"] for f in figures], color="#2563eb")
-    axes[0].set_title("steps / s")
+    axes[0].bar(modes, [f["steps_per_s"] for f in figures], color="#2563eb", yerr=spread_bars("steps_per_s"),
+                capsize=4)
+    axes[0].set_title("steps / s (lowest-highest run)")
     axes[1].bar(modes, [f["sync"]["drain_s"] for f in figures], color="#f59e0b", label="drain")
     axes[1].bar(modes, [f["sync"]["swap_s"] for f in figures], bottom=[f["sync"]["drain_s"] for f in figures],
                 color="#6b7280", label="pause + load + resume")
@@ -184,7 +194,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     axes[2].bar(modes, [f["staleness_token_mean"] for f in figures], color="#9333ea")
     axes[2].set_title("staleness per token (versions)")
     ratios = [f.get("kl_ratio") or 0.0 for f in figures]
-    axes[3].bar(modes, ratios, color="#059669")
+    axes[3].bar(modes, ratios, color="#059669", yerr=spread_bars("kl_ratio"), capsize=4)
     axes[3].axhline(1.0, color="black", lw=0.8, ls="--")
     axes[3].set_title("KL to on-policy / noise")
     fig.suptitle(result["setting"], fontsize=8)
