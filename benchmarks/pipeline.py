@@ -40,41 +40,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from statistics import mean
 from typing import Any
 
 from benchmarks.cpu_usage import CpuMonitor
+from benchmarks.run_figures import fresh_bench_folder, steady_figures
 from rlcommon.config import RunConfig
-from rlcommon.step_stats import RESPONSE_LENGTH_MEAN, REWARD_MEAN
-
-TRAINER_STAGES = ("wait", "mark_complete", "train", "report", "publish", "checkpoint", "release", "other")
-SAMPLER_TIMINGS = ("sampler_queue_s", "sampler_generate_s", "sampler_reward_s", "bus_s")
 
 
 def log(message: str) -> None:
     print(f"[pipeline] {message}", file=sys.stderr, flush=True)
-
-
-def steady_figures(rows: list[dict[str, Any]], *, warmup: int, rollouts_per_step: int) -> dict[str, Any]:
-    """Steps/s, tokens/s and the mean stage seconds of the rows after `warmup` (their wall time runs from the
-    end of the last warm-up step to the end of the last step)."""
-    if len(rows) <= warmup or warmup < 1:
-        raise ValueError(f"need more than warmup = {warmup} >= 1 rows, got {len(rows)}")
-    steady = rows[warmup:]
-    wall = steady[-1]["time"] - rows[warmup - 1]["time"]
-    tokens = sum(r[RESPONSE_LENGTH_MEAN] * rollouts_per_step for r in steady)
-    stages = {name: mean(r.get(f"stage_{name}_s", 0.0) for r in steady) for name in TRAINER_STAGES}
-    sampler = {key: mean(r[key] for r in steady if key in r) for key in SAMPLER_TIMINGS
-               if any(key in r for r in steady)}
-    return {
-        "steps": len(steady),
-        "steps_per_s": len(steady) / wall,
-        "step_s": wall / len(steady),
-        "tokens_per_s": tokens / wall,
-        "trainer_stages_s": stages,
-        "sampler_timings_s": sampler,
-        "reward_last": mean(r[REWARD_MEAN] for r in steady[-5:]),
-    }
 
 
 VERSION_FORWARD_SHARE = 1 / 3
@@ -155,20 +129,6 @@ def plot_breakdown(result: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def fresh_bench_folder(out: Path) -> Path:
-    """A new folder under `out` for one invocation's runs and results: `<out>/run-YYYYmmdd-HHMMSS` (created)."""
-    from launcher.run_folder import fresh_run_dir
-
-    out.mkdir(parents=True, exist_ok=True)
-    while True:
-        folder = fresh_run_dir(out / "run")
-        try:
-            folder.mkdir()
-            return folder
-        except FileExistsError:  # another invocation took it since
-            continue
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.pipeline import fresh_bench_folder
+from benchmarks.run_figures import fresh_bench_folder
 from rlcommon.logs import TIMELINE_PREFIX
 from rlcommon.metrics import read_jsonl
 

@@ -84,7 +84,7 @@ def swap_figures(log_texts: list[str]) -> dict[str, Any]:
 
 def run_figures(rows: list[dict[str, Any]], *, warmup: int, rollouts_per_step: int) -> dict[str, Any]:
     """Speed, the trainer's wait and per-token staleness of a run's metrics rows after `warmup`."""
-    from benchmarks.pipeline import steady_figures
+    from benchmarks.run_figures import steady_figures
 
     figures = steady_figures(rows, warmup=warmup, rollouts_per_step=rollouts_per_step)
     steady = rows[warmup:]
@@ -247,7 +247,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.pipeline import fresh_bench_folder
+    from benchmarks.run_figures import fresh_bench_folder
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.update_modes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default=",".join(UPDATE_MODES), help="update modes to compare, in order")

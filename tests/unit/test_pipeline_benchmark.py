@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.inprocess import generate_rollouts_hf
-from benchmarks.pipeline import steady_figures
+from benchmarks.run_figures import steady_figures
 from rlcommon.config import ModelConfig, RunConfig, TaskConfig
 from rlcommon.tasks import TaskSource
 from rlcommon.wire import validate
