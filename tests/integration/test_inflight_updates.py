@@ -24,7 +24,7 @@ from protos import coordinator_pb2 as pb
 from tests.integration.stacks import stack_config
 from tests.integration.test_faults import RUN_ID, FaultDriver, check_ledger
 
-STEPS = 40
+STEPS = 80
 B, G = 4, 2
 MAX_TOKENS = 48
 """Responses of up to 48 tokens (the tiny model rarely stops early): a sync every step lands inside many."""
@@ -33,6 +33,13 @@ ACK_TIMEOUT_S = 2.0
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.faults, pytest.mark.slow]
 
 SWAP_LINE = re.compile(r"swapping weights v(\d+) -> v(\d+) \(keep, (\d+) requests in flight\)")
+SWAPPED_LINE = re.compile(r"weights swapped v(\d+) -> v(\d+) in ")
+"""A swap's begin and end lines (sampler_svc/engine.py; SWAPPED_LOG is the end's)."""
+ATTEMPTS = 4
+"""Freezes of the sampler's engine core before the kill test gives up."""
+MISSED_AFTER_VERSIONS = 8
+"""A freeze that has not caught the sampler in a keep update once the other has loaded this many more versions
+missed (the sampler was already in an update with nothing in flight): it is let go."""
 
 
 def engine_core_of(driver: FaultDriver, name: str) -> psutil.Process:
@@ -43,24 +50,54 @@ def engine_core_of(driver: FaultDriver, name: str) -> psutil.Process:
     return cores[0]
 
 
+def open_keep_update(text: str) -> re.Match | None:
+    """The last keep update begun in log `text` with requests in flight, if no "weights swapped" line ended it."""
+    begun = list(SWAP_LINE.finditer(text))
+    if not begun or int(begun[-1].group(3)) == 0:
+        return None
+    last = begun[-1]
+    ended = any(int(m.group(2)) == int(last.group(2)) for m in SWAPPED_LINE.finditer(text, last.end()))
+    return None if ended else last
+
+
 def kill_sampler_in_a_keep_update(driver: FaultDriver, name: str) -> dict[str, Any]:
-    """Freeze `name`'s engine core; once `name` has begun a keep update with requests in flight (its pause waits
-    on the frozen core) and holds tasks, SIGKILL the sampler with its engine."""
+    """Freeze `name`'s engine core until `name` is in a keep update with requests in flight that cannot finish
+    (its pause or load waits on the frozen core), while it holds tasks; then SIGKILL the sampler with its engine.
+
+    The update is one begun after the freeze, or one begun just before it that is still open once the other
+    sampler has loaded the same version (its own load takes the core's answers, which stopped). A freeze that
+    catches neither (an update already begun with no request in flight) is let go and tried again."""
+    path = driver.run_dir / "logs" / f"{name}.log"
     core = engine_core_of(driver, name)
-    offset = driver.log_size(name)
-    core.send_signal(signal.SIGSTOP)
+    for _attempt in range(ATTEMPTS):
+        # Frozen while it holds tasks, its requests stay in flight: the next update begins with them.
+        driver.wait_until(f"{name} to hold tasks", lambda: driver.pending_of(driver.stream("tasks"), "samplers", name),
+                          interval_s=0.02)
+        core.send_signal(signal.SIGSTOP)
+        acked_at_freeze = driver.samplers()["sampler-0"].weight_version
 
-    def in_the_update() -> re.Match | None:
-        text = (driver.run_dir / "logs" / f"{name}.log").read_bytes()[offset:].decode(errors="replace")
-        return next((m for m in SWAP_LINE.finditer(text) if int(m.group(3)) > 0), None)
+        def stuck(acked_at_freeze: int = acked_at_freeze) -> tuple[str, re.Match | None] | None:
+            swap = open_keep_update(path.read_bytes().decode(errors="replace"))
+            if swap is not None and driver.samplers()["sampler-0"].weight_version >= int(swap.group(2)):
+                return "stuck", swap
+            if driver.samplers()["sampler-0"].weight_version >= acked_at_freeze + MISSED_AFTER_VERSIONS:
+                return "missed", swap
+            return None
 
-    swap = driver.wait_until(f"{name} to begin a keep update with requests in flight", in_the_update,
-                             interval_s=0.05)
+        outcome, swap = driver.wait_until(f"{name} to be held in a keep update with requests in flight", stuck,
+                                          interval_s=0.05)
+        print(f"freeze {_attempt + 1}: {outcome} (sampler-0 at v{acked_at_freeze} when frozen, "
+              f"v{driver.samplers()['sampler-0'].weight_version} now)")
+        if outcome == "stuck":
+            break
+        core.send_signal(signal.SIGCONT)  # caught in an update with nothing in flight: let it go, try again
+    else:
+        pytest.fail(f"{name} was never caught in a keep update with requests in flight in {ATTEMPTS} freezes")
     pending = driver.pending_of(driver.stream("tasks"), "samplers", name)
     assert pending, f"{name} holds no task in the middle of its update"
     driver.stack.kill(name)
     return {"to_version": int(swap.group(2)), "in_flight": int(swap.group(3)),
-            "entry_ids": [row["message_id"] for row in pending], "log_offset": offset}
+            "entry_ids": [row["message_id"] for row in pending]}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +111,7 @@ def keep_run(tmp_path_factory) -> dict[str, Any]:
         f"--coordinator.batch_size={B}",
         f"--coordinator.group_size={G}",
         "--coordinator.max_inflight_batches=2",
+        "--sampler.max_inflight_tasks=4",  # half the planned window each: both samplers sample every batch
         "--coordinator.sync_policy=every_k",
         "--coordinator.sync_every_k=1",
         f"--coordinator.sync_ack_timeout_s={ACK_TIMEOUT_S}",
