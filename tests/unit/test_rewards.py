@@ -109,9 +109,21 @@ def test_unknown_kind_names_the_choices():
         reward("gsm9k", "1", "1")
 
 
+BINARY_KINDS = tuple(k for k in REWARD_KINDS if k != "reverse_long")
+
+
 @settings(max_examples=200, deadline=None)
-@given(kind=st.sampled_from(REWARD_KINDS), response=st.text(max_size=40), answer=st.integers(-(10**6), 10**6))
+@given(kind=st.sampled_from(BINARY_KINDS), response=st.text(max_size=40), answer=st.integers(-(10**6), 10**6))
 def test_reward_is_zero_or_one_for_any_text(kind, response, answer):
     value = reward(kind, response, str(answer))
     assert value in (0.0, 1.0)
     assert reward(kind, str(answer), str(answer)) == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(response=st.text(max_size=40), answer=st.text(alphabet="abcxyz", min_size=1, max_size=40))
+def test_reverse_long_reward_is_a_share_that_is_whole_only_for_the_answer(response, answer):
+    value = reward("reverse_long", response, answer)
+    assert 0.0 <= value <= 1.0
+    assert (value == 1.0) == (response.strip() == answer)
+    assert reward("reverse_long", answer, answer) == 1.0
