@@ -28,8 +28,10 @@ pytestmark = pytest.mark.compose
 
 PROJECT = os.environ.get("DLC_COMPOSE_PROJECT", "dlc-compose-test")
 FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "tests/compose/docker-compose.test.yml"]
-FIRST_STEPS = 100
-SECOND_STEPS = 120
+FIRST_STEPS = 300
+"""Long enough that a replica killed twice is back and taking tasks before the run ends (at 100 the run ended
+while it restarted the second time: it never held a task again)."""
+SECOND_STEPS = 320
 B, G = 8, 4
 
 
