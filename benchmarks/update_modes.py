@@ -116,18 +116,17 @@ def one_run(argv: list[str], run_dir: Path, *, steps: int, warmup: int) -> dict[
             "sync": swap_figures(logs)}
 
 
-def final_model(cfg: Any, run_dir: Path) -> Any:
-    """The run's trained weights at its last checkpoint, in a model built from its model folder."""
+def final_model(model_dir: Path, run_dir: Path) -> Any:
+    """The run's trained weights at its last checkpoint, in a model built from the run's model folder."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlcommon.models import resolve_model
     from trainer_svc.checkpoint import latest_checkpoint, load_model_weights
 
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None:
         raise RuntimeError(f"{run_dir}: no checkpoint")
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model, cfg.task), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     load_model_weights(checkpoint, model)
     return model.eval()
 
@@ -146,8 +145,9 @@ def distances(argv: list[str], reference_dirs: list[Path], run_dirs: dict[str, P
 
     cfg, _ = parse_args([*argv, f"--run_dir={reference_dirs[0]}", f"--coordinator.group_size={EVAL_SAMPLES}"])
     torch.manual_seed(0)
-    tokenizer = load_tokenizer(resolve_model(cfg.model, cfg.task))
-    reference = final_model(cfg, reference_dirs[0])
+    model_dir = resolve_model(cfg.model, cfg.task)
+    tokenizer = load_tokenizer(model_dir)
+    reference = final_model(model_dir, reference_dirs[0])
     samples = generate_rollouts_hf(reference, tokenizer, TaskSource(cfg.task).eval_set(), cfg, batch_id=0,
                                    weight_version=0)
     batch = build_prefix_batch([r.prompt_ids for r in samples], [r.response_ids for r in samples],
@@ -155,7 +155,7 @@ def distances(argv: list[str], reference_dirs: list[Path], run_dirs: dict[str, P
     point = reference_point(reference, batch, temperature=cfg.sampling.temperature, support_topk=None)
 
     def kl(run_dir: Path) -> float:
-        return kl_to_reference(point, final_model(cfg, run_dir), temperature=cfg.sampling.temperature)
+        return kl_to_reference(point, final_model(model_dir, run_dir), temperature=cfg.sampling.temperature)
 
     noise = [kl(d) for d in reference_dirs[1:]]
     threshold = mean(noise) if noise else None

@@ -84,10 +84,7 @@ def _version_runs(rollout: Rollout) -> list[dict[str, int]]:
     """The weight versions that sampled `rollout`'s response, one run each, in token order: `start` (the run's
     first token index) and `version`. The first run starts at 0 with `weight_version`; a response sampled
     across in-flight weight updates (`Rollout.version_runs`) has one more run per change."""
-    runs = rollout.version_runs
-    changes = zip(runs[0::2], runs[1::2], strict=True)
-    return [{"start": 0, "version": int(rollout.weight_version)},
-            *({"start": int(start), "version": int(version)} for start, version in changes)]
+    return [{"start": start, "version": version} for start, version in rollout.runs()]
 
 
 class _Budget:

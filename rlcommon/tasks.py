@@ -74,16 +74,14 @@ def _arithmetic(rng: random.Random, difficulty: int) -> Problem:
     return Problem(prompt=prompt + "=", answer=str(total), kind="arithmetic")
 
 
-def _reverse(rng: random.Random, difficulty: int) -> Problem:
-    length = rng.randint(difficulty + 1, difficulty + 2)
-    text = "".join(rng.choice(REVERSE_ALPHABET) for _ in range(length))
-    return Problem(prompt=f"rev:{text}=", answer=text[::-1], kind="reverse")
+REVERSE_LENGTHS = {"reverse": lambda d: (d + 1, d + 2), "reverse_long": lambda d: (16 * d - 8, 16 * d)}
+"""Reversal kinds -> the lowest and highest string length at a difficulty."""
 
 
-def _reverse_long(rng: random.Random, difficulty: int) -> Problem:
-    length = rng.randint(16 * difficulty - 8, 16 * difficulty)
+def _reverse(rng: random.Random, difficulty: int, kind: str) -> Problem:
+    length = rng.randint(*REVERSE_LENGTHS[kind](difficulty))
     text = "".join(rng.choice(REVERSE_ALPHABET) for _ in range(length))
-    return Problem(prompt=f"rev:{text}=", answer=text[::-1], kind="reverse_long")
+    return Problem(prompt=f"rev:{text}=", answer=text[::-1], kind=kind)
 
 
 def _format_number(value: float) -> str:
@@ -165,9 +163,7 @@ class TaskSource:
         rng = random.Random(f"{self.cfg.kind}:{stream}:{index}")
         if self.cfg.kind == "arithmetic":
             return _arithmetic(rng, self.cfg.difficulty)
-        if self.cfg.kind == "reverse_long":
-            return _reverse_long(rng, self.cfg.difficulty)
-        return _reverse(rng, self.cfg.difficulty)
+        return _reverse(rng, self.cfg.difficulty, self.cfg.kind)
 
     def _epoch_order(self, epoch: int) -> list[int]:
         """The shuffled order of the training lines in `epoch` (the last one computed is kept)."""

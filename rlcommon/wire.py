@@ -145,10 +145,16 @@ class Rollout:
     first, `(t1, v1, t2, v2, ...)`: tokens t1.. by version v1, t2.. by v2; empty = every token by weight_version.
     Indices ascend strictly within the response, versions ascend strictly above weight_version (the oldest)."""
 
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """(first token index, version) of every run of tokens one version sampled, in token order: (0,
+        weight_version), then each change of `version_runs`."""
+        changes = zip(self.version_runs[0::2], self.version_runs[1::2], strict=True)
+        return ((0, self.weight_version), *((int(t), int(v)) for t, v in changes))
+
     def token_versions(self) -> np.ndarray:
         """The weight version that sampled each response token (int64, the response's length)."""
-        out = np.full(len(self.response_ids), self.weight_version, dtype=np.int64)
-        for start, version in zip(self.version_runs[0::2], self.version_runs[1::2], strict=True):
+        out = np.empty(len(self.response_ids), dtype=np.int64)
+        for start, version in self.runs():
             out[start:] = version
         return out
 

@@ -381,18 +381,24 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Any]:
-    """The trained weights of checkpoint `path` into `model` (built from the run's model folder), nothing else:
-    for evaluations and exports. Returns the checkpoint's trainer_state.json dict. ValueError if the folder is
-    not a complete checkpoint."""
+def _complete_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint folder and its trainer_state.json dict; ValueError naming what is missing if incomplete."""
     folder = Path(path)
     missing = [name for name in _STATE_FILES if not (folder / name).is_file()]
     if missing:
         raise ValueError(f"{folder}: not a complete checkpoint (missing {', '.join(missing)})")
+    return folder, json.loads((folder / "trainer_state.json").read_text())
+
+
+def load_model_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Any]:
+    """The trained weights of checkpoint `path` into `model` (built from the run's model folder), nothing else:
+    for evaluations and exports. Returns the checkpoint's trainer_state.json dict. ValueError if the folder is
+    not a complete checkpoint."""
+    folder, trainer_state = _complete_checkpoint(path)
     state = {"model": distinct_model_state(model)}
     _dcp(dcp.load, state, checkpoint_id=folder)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # a tied head: the embedding
-    return json.loads((folder / "trainer_state.json").read_text())
+    return trainer_state
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> dict[str, Any]:
@@ -402,11 +408,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, train_step: TrainStep) -> d
     Returns the trainer_state.json dict (with any `extra_state` saved alongside). Raises ValueError if the folder
     is not a complete checkpoint or was written by a run of another correction method.
     """
-    folder = Path(path)
-    missing = [name for name in _STATE_FILES if not (folder / name).is_file()]
-    if missing:
-        raise ValueError(f"{folder}: not a complete checkpoint (missing {', '.join(missing)})")
-    trainer_state = json.loads((folder / "trainer_state.json").read_text())
+    folder, trainer_state = _complete_checkpoint(path)
     if trainer_state["method"] != train_step.method:
         raise ValueError(
             f"{folder}: checkpoint of method {trainer_state['method']!r}, but trainer.method is {train_step.method!r}"

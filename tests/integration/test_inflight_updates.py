@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from benchmarks.update_modes import SWAPPED
 from protos import coordinator_pb2 as pb
 from tests.integration.stacks import stack_config
 from tests.integration.test_faults import RUN_ID, FaultDriver, check_ledger
@@ -33,8 +34,7 @@ ACK_TIMEOUT_S = 2.0
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.faults, pytest.mark.slow]
 
 SWAP_LINE = re.compile(r"swapping weights v(\d+) -> v(\d+) \(keep, (\d+) requests in flight\)")
-SWAPPED_LINE = re.compile(r"weights swapped v(\d+) -> v(\d+) in ")
-"""A swap's begin and end lines (sampler_svc/engine.py; SWAPPED_LOG is the end's)."""
+"""A swap's begin line (sampler_svc/engine.py); its end line is benchmarks.update_modes.SWAPPED."""
 ATTEMPTS = 4
 """Freezes of the sampler's engine core before the kill test gives up."""
 MISSED_AFTER_VERSIONS = 8
@@ -56,7 +56,7 @@ def open_keep_update(text: str) -> re.Match | None:
     if not begun or int(begun[-1].group(3)) == 0:
         return None
     last = begun[-1]
-    ended = any(int(m.group(2)) == int(last.group(2)) for m in SWAPPED_LINE.finditer(text, last.end()))
+    ended = any(int(m.group(2)) == int(last.group(2)) for m in SWAPPED.finditer(text, last.end()))
     return None if ended else last
 
 
