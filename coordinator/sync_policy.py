@@ -6,10 +6,12 @@
   again would only supersede a version the samplers are loading (a sync storm).
 - `every_k`: publish after every k trained steps: after the k-th batch, the 2k-th, ... (the trainer reports
   the index of the step it just trained, counted from 0: steps k-1, 2k-1, ...).
+- `max_lag`: publish only when the batch's oldest rollout is at least `coordinator.max_lag_steps` trainer steps
+  old (the cap below, alone: bounded staleness, whatever the ESS says). Waits while a sync is in progress.
 - `always`: publish after every step (on-policy up to the in-flight batches).
 - `never`: never publish (a fully stale sampler), except on a manual trigger.
 
-Staleness cap (`coordinator.max_lag_steps`, policies `ess` and `every_k` only; the config rejects it with
+Staleness cap (`coordinator.max_lag_steps`, policies `ess` and `every_k`; `max_lag` is the cap alone; the config rejects it with
 `always`, which publishes anyway, and `never`, which stays never): also publish when the batch's oldest
 rollout is at least that many trainer steps old (the report's `staleness_steps_max`), whatever the ESS or
 the step number say. Like the ESS trigger it waits while a sync is in progress: the batches sampled before
@@ -72,7 +74,8 @@ def decide(
     """Whether to publish after `step` (the index of the step just trained, from 0), and why. Pure: the same
     inputs always give the same answer.
 
-    max_lag_steps: the staleness cap of policies `ess` and `every_k` (None = no cap; module docstring).
+    max_lag_steps: the staleness cap of policies `ess` and `every_k` (None = no cap; module docstring); the
+        only trigger of policy `max_lag` (required there).
     sync_in_progress: the version being synced, if a sync has not completed yet (`ess` and the cap wait).
     Raises PolicyInputError when policy `ess` gets no finite `ess_lag` in [0, 1], or the cap no finite
     `staleness_steps_max` >= 0.
@@ -83,16 +86,17 @@ def decide(
         return SyncDecision(True, "always: on-policy, publish every step")
     if policy == "never":
         return SyncDecision(False, "never: the policy never publishes")
-    if policy not in ("ess", "every_k"):
+    if policy not in ("ess", "every_k", "max_lag"):
         raise PolicyInputError(
             "sync_policy", f"unknown policy {policy!r}; expected one of {', '.join(SYNC_POLICIES)}"
         )
+    reason: str | None
     if policy == "ess":
         ess_lag = check_ess_lag(stats)
         fires = ess_lag < ess_threshold
         reason = f"ess: ess_lag {ess_lag:.4g} {'<' if fires else '>='} {ess_threshold:g}"
         waits = True
-    else:
+    elif policy == "every_k":
         assert every_k >= 1, every_k
         trained = step + 1
         fires = trained % every_k == 0
@@ -102,13 +106,18 @@ def decide(
             else f"every_k: next sync after step {(trained // every_k + 1) * every_k - 1}"
         )
         waits = False  # the schedule does not wait for a sync in progress
+    else:  # max_lag: the cap below is the only trigger
+        if max_lag_steps is None:
+            raise PolicyInputError("max_lag_steps", "policy 'max_lag' needs coordinator.max_lag_steps")
+        fires, reason, waits = False, None, True
     if max_lag_steps is not None:
         lag_steps = check_lag_steps(stats)
         if not fires:
             fires, waits = lag_steps >= max_lag_steps, True
             relation = ">=" if fires else "<"
             cap = f"max_lag_steps: oldest rollout {lag_steps:g} steps old {relation} {max_lag_steps}"
-            reason = cap if fires else f"{reason}; {cap}"
+            reason = cap if fires or reason is None else f"{reason}; {cap}"
+    assert reason is not None
     if fires and waits and sync_in_progress is not None:
         return SyncDecision(
             False, f"{reason}, but the sync of version {sync_in_progress} is still in progress"
@@ -124,6 +133,7 @@ def describe(
     return {
         "ess": f"publish when ess_lag < {ess_threshold:g}{cap}",
         "every_k": f"publish every {every_k} steps{cap}",
+        "max_lag": f"publish when the oldest rollout is >= {max_lag_steps} steps old",
         "always": "publish after every step (on-policy)",
         "never": "never publish (manual syncs only)",
     }.get(policy, f"unknown policy {policy!r}")

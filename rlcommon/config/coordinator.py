@@ -11,7 +11,7 @@ from rlcommon.config.base import StrictModel
 
 __all__ = ["CoordinatorConfig", "SYNC_POLICIES", "SyncPolicy"]
 
-SyncPolicy = Literal["ess", "every_k", "always", "never"]
+SyncPolicy = Literal["ess", "every_k", "max_lag", "always", "never"]
 """When the trainer publishes (coordinator/sync_policy.py decides; experiments/ measure the same rule)."""
 SYNC_POLICIES: tuple[str, ...] = get_args(SyncPolicy)
 
@@ -41,13 +41,15 @@ class CoordinatorConfig(StrictModel):
 
     # When the trainer publishes (the coordinator decides).
     sync_policy: SyncPolicy = "ess"
-    """When the trainer publishes: ess_lag < ess_threshold, every k steps, every step, or never."""
+    """When the trainer publishes: ess_lag < ess_threshold, every k steps, once the oldest rollout is max_lag_steps
+    old (`max_lag`), every step, or never."""
     ess_threshold: float = Field(0.5, gt=0, le=1)
     """ESS of the lag ratio below which a sync is requested (policy `ess`)."""
     sync_every_k: int = Field(4, ge=1)
     """Interval of policy `every_k`."""
     max_lag_steps: int | None = Field(None, ge=1)
-    """Policies ess, every_k: also publish once the oldest rollout is this many trainer steps old (None = no cap)."""
+    """Policies ess, every_k: also publish once the oldest rollout is this many trainer steps old (None = no cap).
+    Policy max_lag: publish only then (required)."""
 
     # The coordinator server: liveness, stalls, what its state keeps, read load.
     sync_ack_timeout_s: float = Field(60.0, gt=0)
@@ -129,9 +131,14 @@ class CoordinatorConfig(StrictModel):
 
     @model_validator(mode="after")
     def _lag_cap_policy(self) -> CoordinatorConfig:
-        if self.max_lag_steps is not None and self.sync_policy not in ("ess", "every_k"):
+        if self.max_lag_steps is not None and self.sync_policy not in ("ess", "every_k", "max_lag"):
             raise ValueError(
-                f"coordinator.max_lag_steps applies to sync_policy 'ess' or 'every_k', not {self.sync_policy!r}; "
-                "unset max_lag_steps or change sync_policy"
+                f"coordinator.max_lag_steps applies to sync_policy 'ess', 'every_k' or 'max_lag', not "
+                f"{self.sync_policy!r}; unset max_lag_steps or change sync_policy"
+            )
+        if self.max_lag_steps is None and self.sync_policy == "max_lag":
+            raise ValueError(
+                "coordinator.sync_policy 'max_lag' publishes when the oldest rollout is max_lag_steps old: set "
+                "coordinator.max_lag_steps (e.g. 4)"
             )
         return self

@@ -74,9 +74,13 @@ def test_max_lag_steps():
         load_config(RunConfig, [], ["--coordinator.max_lag_steps=0"])
     for policy in ("never", "always"):
         flags = [f"--coordinator.sync_policy={policy}", "--coordinator.max_lag_steps=4"]
-        expected = rf"max_lag_steps applies to sync_policy 'ess' or 'every_k', not '{policy}'"
+        expected = rf"max_lag_steps applies to sync_policy 'ess', 'every_k' or 'max_lag', not\s+'{policy}'"
         with pytest.raises(ConfigError, match=expected):
             load_config(RunConfig, [], flags)
+    alone = ["--coordinator.sync_policy=max_lag", "--coordinator.max_lag_steps=4"]
+    assert load_config(RunConfig, [], alone).coordinator.max_lag_steps == 4
+    with pytest.raises(ConfigError, match=r"sync_policy 'max_lag' .* set coordinator.max_lag_steps"):
+        load_config(RunConfig, [], ["--coordinator.sync_policy=max_lag"])
 
 
 def test_weight_retention_settings():

@@ -190,7 +190,7 @@ def test_policy_list_is_spelled_once():
     from experiments.settings import RunSpec
     from rlcommon.config import SYNC_POLICIES, CoordinatorConfig, SyncPolicy
 
-    assert SYNC_POLICIES == ("ess", "every_k", "always", "never") == typing.get_args(SyncPolicy)
+    assert SYNC_POLICIES == ("ess", "every_k", "max_lag", "always", "never") == typing.get_args(SyncPolicy)
     assert CoordinatorConfig.model_fields["sync_policy"].annotation is SyncPolicy
     assert typing.get_type_hints(RunSpec)["sync_rule"] is SyncPolicy
     assert typing.get_type_hints(sync_policy.decide)["policy"] is SyncPolicy
@@ -204,3 +204,28 @@ def test_describe_mentions_the_cap():
     assert describe("every_k", every_k=4, max_lag_steps=6).endswith(
         "or when the oldest rollout is >= 6 steps old"
     )
+
+
+# ------------------------------------------------------------------- policy max_lag (the cap alone)
+
+
+def test_max_lag_publishes_only_at_the_cap_whatever_the_ess():
+    assert decide("max_lag", step=3, stats=_lagged(0.01, 3), max_lag_steps=4) == SyncDecision(
+        False, "max_lag_steps: oldest rollout 3 steps old < 4"
+    )
+    assert decide("max_lag", step=4, stats=_lagged(0.99, 4), max_lag_steps=4) == SyncDecision(
+        True, "max_lag_steps: oldest rollout 4 steps old >= 4"
+    )
+    # The step number plays no part (unlike every_k): the same lag answers the same at any step.
+    assert [decide("max_lag", step=s, stats={"staleness_steps_max": 2}, max_lag_steps=2).publish for s in (1, 7, 50_000)] == [True] * 3
+
+
+def test_max_lag_waits_for_a_sync_in_progress_and_needs_its_cap():
+    waiting = decide("max_lag", step=5, stats={"staleness_steps_max": 9}, max_lag_steps=2, sync_in_progress=4)
+    assert not waiting.publish and waiting.reason.endswith("but the sync of version 4 is still in progress")
+    with pytest.raises(PolicyInputError) as err:
+        decide("max_lag", step=5, stats={"staleness_steps_max": 9})
+    assert err.value.field == "max_lag_steps"
+    with pytest.raises(PolicyInputError) as err:
+        decide("max_lag", step=5, stats={}, max_lag_steps=2)
+    assert err.value.field == "stats.staleness_steps_max"
