@@ -265,6 +265,7 @@ def write_results(
         write_csv,
         write_plots,
     )
+    from experiments.tradeoff import tradeoff_section
 
     rows = [row for record in records for row in record.rows]
     finalize_rows(rows, references)
@@ -277,6 +278,9 @@ def write_results(
     tolerance = preset.trainer.correction.dual_tolerance
     plots = write_plots(rows, out_dir=out_dir, dual_tolerance=tolerance)
     claims = claims_markdown(summary, rows, dual_tolerance=tolerance)
+    tradeoff, tradeoff_plots = tradeoff_section(summary, out_dir)
+    plots = [*tradeoff_plots, *plots]
+    claims = f"{tradeoff}\n{claims}" if tradeoff else claims
     (out_dir / "run_info.json").write_text(json.dumps(run_info, indent=2) + "\n")
     (out_dir / "README.md").write_text(_readme(preset, run_info, table, claims, plots, out_dir))
 
@@ -444,6 +448,19 @@ def _readme(
         if (out_dir / "FINDINGS.md").is_file()
         else ""
     )
+    rationale = f"\n## Why this preset\n\n{preset.rationale}\n" if preset.rationale else ""
+    intervals = (
+        f"; dlc also at every {', '.join(str(k) for k in preset.dlc_every_k)} steps"
+        if preset.dlc_every_k
+        else ""
+    )
+    caps = (
+        f"; `max_lag` = synced when the batch's oldest rollout is at least n steps old, n in "
+        f"{preset.max_lag_caps} (`coordinator.max_lag_steps`), alone (policy `max_lag`, `lag>=n`) and with the "
+        f"ESS trigger at {preset.cap_ess_threshold:g} (`ess_lag<t or lag>=n`)"
+        if preset.max_lag_caps and "max_lag" in preset.settings
+        else ""
+    )
     return f"""# DLC reproduction, preset `{preset.name}`
 
 {preset.description}
@@ -457,7 +474,7 @@ Made by (from the repository root; `make experiment ARGS="..."` runs the same mo
 {info["runs"]} runs of {preset.steps} steps (B = {preset.batch_size} prompt groups x G = {preset.group_size}
 samples, lr {preset.trainer.lr:g}, at most {preset.sampling.max_tokens} response tokens). Wall time
 {info.get("wall_s", 0):.0f} s ({info.get("machine", "machine unknown")}); vLLM engine starts: {engines}.
-Versions: {versions}.{reruns}{findings}
+Versions: {versions}.{reruns}{findings}{rationale}
 
 ## Summary (mean ± std over seeds; step columns list each seed, – = never)
 
@@ -477,7 +494,7 @@ Versions: {versions}.{reruns}{findings}
   `lowprec` = {preset.lowprec_dtype} sampler, synced every step; `noisy` = Gaussian weight noise
   (sigma = {preset.noise_sigma:g} x RMS per tensor) on every published sampler version, synced every step;
   `every_k` = synced every {preset.every_k} steps by the coordinator's `every_k` policy (after batches
-  {preset.every_k}, {2 * preset.every_k}, ...); `reference` = the on-policy
+  {preset.every_k}, {2 * preset.every_k}, ...){intervals}{caps}; `reference` = the on-policy
   runs (fp32 sampler synced every step, `naive` loss). Every sync is decided by `coordinator/sync_policy.py`.
 
 Per-run rows: `summary.csv`; per-step rows: `steps.csv`; settings and timings: `run_info.json`.

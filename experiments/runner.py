@@ -257,6 +257,7 @@ async def run_one(ctx: ExperimentContext, spec: RunSpec) -> RunRecord:
                 stats=metrics,
                 ess_threshold=spec.ess_threshold or 0.0,
                 every_k=spec.sync_every or 1,
+                max_lag_steps=spec.max_lag_steps,
                 sync_in_progress=None,
             ).publish
             if synced:

@@ -1,0 +1,310 @@
+"""The syncs-vs-distance trade-off of dlc's sync rules (issue #30): pure functions over summary.csv rows.
+
+Every dlc run of a preset belongs to one sync family, read from its `sync_rule` label (RunSpec.sync_label):
+
+- `ess`: the ESS trigger alone (`stale`, "ess_lag<t"), one variant per threshold t;
+- `every_k`: a fixed interval (`every_k`, "every k"), one variant per k (k = 1 is every step);
+- `max_lag`: the staleness cap alone (`max_lag`, "lag>=n");
+- `ess+cap`: the ESS trigger and the cap together ("ess_lag<t or lag>=n").
+
+A variant's figures are over its seeds: syncs, the worst step's KL ratio (max over steps of KL to on-policy
+over the noise threshold) and the mean ratio, mean and sample std. `equal_distance` answers the issue's
+question: how many syncs does a fixed interval need to reach the distance an ESS threshold reaches? It
+interpolates the fixed-interval curve linearly in (syncs, distance) between the two intervals that bracket
+the distance; outside the measured intervals it says so instead of extrapolating.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FAMILIES",
+    "STRICT_LIMIT",
+    "Variant",
+    "equal_distance",
+    "equal_distance_markdown",
+    "has_tradeoff",
+    "lowest_passing",
+    "no_sync_point",
+    "sync_variant",
+    "tradeoff_section",
+    "tradeoff_markdown",
+    "variants",
+    "write_tradeoff_plot",
+]
+
+FAMILIES = ("ess", "every_k", "max_lag", "ess+cap")
+STRICT_LIMIT = 1.5
+"""The stricter target of issue #30: every seed within 1.5 noise thresholds at every step."""
+LIMIT = 2.0
+
+_ESS = re.compile(r"^ess_lag<(?P<t>[0-9.]+)$")
+_EVERY = re.compile(r"^every (?P<k>\d+)$")
+_CAP = re.compile(r"^lag>=(?P<n>\d+)$")
+_ESS_CAP = re.compile(r"^ess_lag<(?P<t>[0-9.]+) or lag>=(?P<n>\d+)$")
+
+
+def sync_variant(sync_rule: str) -> tuple[str, float] | None:
+    """(family, parameter) of a sync label, None for a label outside the trade-off ("never", "every step")."""
+    if m := _ESS.match(sync_rule):
+        return ("ess", float(m["t"]))
+    if m := _EVERY.match(sync_rule):
+        return ("every_k", float(m["k"]))
+    if m := _CAP.match(sync_rule):
+        return ("max_lag", float(m["n"]))
+    if m := _ESS_CAP.match(sync_rule):
+        return ("ess+cap", float(m["n"]))
+    return None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One sync rule of dlc over its seeds."""
+
+    family: str
+    param: float
+    label: str
+    seeds: int
+    syncs: tuple[float, float]
+    """(mean, std) over seeds."""
+    worst: tuple[float, float]
+    """Worst-step KL ratio (mean, std) over seeds."""
+    worst_max: float
+    """The largest worst-step ratio of any seed."""
+    mean_ratio: tuple[float, float]
+    within_strict: int
+    """Seeds within STRICT_LIMIT at every step."""
+    within_limit: int
+    """Seeds within 2 noise thresholds at every step."""
+    reward: float
+    """Mean final reward."""
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def variants(summary: Sequence[dict[str, Any]], *, method: str = "dlc") -> list[Variant]:
+    """The trade-off variants of `method` in `summary` (runs without a KL ratio left out), by family and
+    parameter (ESS thresholds ascending, intervals and caps ascending)."""
+    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for row in summary:
+        if row["method"] != method or row.get("max_kl_ratio") is None:
+            continue
+        parsed = sync_variant(row["sync_rule"])
+        if parsed is not None:
+            groups.setdefault((*parsed, row["sync_rule"]), []).append(row)
+    out = []
+    for (family, param, label), runs in groups.items():
+        worst = [float(r["max_kl_ratio"]) for r in runs]
+        out.append(
+            Variant(
+                family=family,
+                param=param,
+                label=label,
+                seeds=len(runs),
+                syncs=_mean_std([float(r["syncs"]) for r in runs]),
+                worst=_mean_std(worst),
+                worst_max=max(worst),
+                mean_ratio=_mean_std([float(r["mean_kl_ratio"]) for r in runs]),
+                within_strict=sum(1 for w in worst if w <= STRICT_LIMIT),
+                within_limit=sum(1 for w in worst if w <= LIMIT),
+                reward=statistics.fmean(float(r["final_reward"]) for r in runs),
+            )
+        )
+    return sorted(out, key=lambda v: (FAMILIES.index(v.family), v.param))
+
+
+def lowest_passing(found: Sequence[Variant], *, family: str = "ess", limit: float = STRICT_LIMIT) -> Variant | None:
+    """The variant of `family` with the fewest mean syncs whose every seed stays within `limit` at every step
+    (for `ess`: the lowest such threshold, which syncs least); None when no variant passes."""
+    passing = [v for v in found if v.family == family and v.worst_max <= limit]
+    return min(passing, key=lambda v: (v.syncs[0], v.param)) if passing else None
+
+
+def equal_distance(
+    target: float, curve: Sequence[tuple[float, float]]
+) -> tuple[float | None, str]:
+    """Syncs a (syncs, distance) curve needs to reach `target` distance, linearly interpolated between the two
+    measured points that bracket it (the first bracket from the fewest syncs up). (None, why) when the target
+    is outside the curve's measured distances."""
+    points = sorted(curve)
+    if not points:
+        return None, "no fixed-interval runs"
+    for (s0, d0), (s1, d1) in zip(points, points[1:], strict=False):
+        if min(d0, d1) <= target <= max(d0, d1):
+            if d0 == d1:
+                return s0, "measured"
+            return s0 + (target - d0) * (s1 - s0) / (d1 - d0), "interpolated"
+    distances = [d for _, d in points]
+    if target < min(distances):
+        return None, f"closer than every fixed interval measured (best {min(distances):.2f})"
+    return None, f"farther than every fixed interval measured (worst {max(distances):.2f})"
+
+
+def _curve(found: Sequence[Variant], family: str, key: str) -> list[tuple[float, float]]:
+    return [(v.syncs[0], getattr(v, key)[0]) for v in found if v.family == family]
+
+
+def _pm(pair: tuple[float, float], digits: int = 2) -> str:
+    return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+
+
+def has_tradeoff(found: Sequence[Variant]) -> bool:
+    """Whether `found` holds a fixed-interval curve (two intervals or more) to compare the other rules with."""
+    return len({v.param for v in found if v.family == "every_k"}) >= 2
+
+
+def tradeoff_section(summary: Sequence[dict[str, Any]], out_dir: Path) -> tuple[str, list[Path]]:
+    """The README section of the trade-off and syncs_vs_kl.png, when dlc ran at two fixed intervals or more
+    (the curve the ESS rules are compared with); ("", []) otherwise."""
+    found = variants(summary)
+    if not has_tradeoff(found):
+        return "", []
+    plot = write_tradeoff_plot(found, out_dir / "syncs_vs_kl.png", no_sync=no_sync_point(summary))
+    strict = lowest_passing(found)
+    strict_line = (
+        f"Lowest ESS threshold at which every seed stays within {STRICT_LIMIT:g} noise thresholds at every step: "
+        + (
+            f"{strict.param:g} ({_pm(strict.syncs, 1)} syncs, worst step {strict.worst_max:.2f})."
+            if strict
+            else "none of the thresholds run ("
+            + ", ".join(f"{v.param:g}: highest seed {v.worst_max:.2f}" for v in found if v.family == "ess")
+            + ")."
+        )
+    )
+    cheapest = []
+    for family in FAMILIES:
+        for limit in (STRICT_LIMIT, LIMIT):
+            best = lowest_passing(found, family=family, limit=limit)
+            if any(v.family == family for v in found):
+                cheapest.append(
+                    f"- `{family}`, every seed within {limit:g} at every step: "
+                    + (f"{best.label}, {_pm(best.syncs, 1)} syncs." if best else "no variant run.")
+                )
+    text = (
+        "## Trade-off: syncs against distance to on-policy (dlc)\n\n"
+        + tradeoff_markdown(found)
+        + "\nAt equal distance: the syncs a fixed interval (`every_k`, interpolated linearly between the measured "
+        "k) needs for the same worst-step and mean ratio as each ESS-triggered rule (in brackets: its syncs minus "
+        "the ESS rule's; positive = the ESS rule syncs less):\n\n"
+        + equal_distance_markdown(found)
+        + "\n"
+        + strict_line
+        + "\n\nCheapest rule of each family (fewest mean syncs) meeting a target on every seed:\n\n"
+        + "\n".join(cheapest)
+        + "\n"
+    )
+    return text, [plot] if plot else []
+
+
+def tradeoff_markdown(found: Sequence[Variant]) -> str:
+    """The trade-off table: one row per variant."""
+    lines = [
+        "| family | sync rule | seeds | syncs | worst-step ratio | highest seed | mean ratio | "
+        f"seeds ≤ {STRICT_LIMIT:g} | seeds ≤ {LIMIT:g} | final reward |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in found:
+        lines.append(
+            f"| {v.family} | {v.label} | {v.seeds} | {_pm(v.syncs, 1)} | {_pm(v.worst)} | {v.worst_max:.2f} | "
+            f"{_pm(v.mean_ratio)} | {v.within_strict}/{v.seeds} | {v.within_limit}/{v.seeds} | {v.reward:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def equal_distance_markdown(found: Sequence[Variant]) -> str:
+    """Per ESS-triggered variant (alone or with a cap): its syncs against the syncs a fixed interval needs for
+    the same worst-step and mean ratio."""
+    lines = [
+        "| ESS-triggered rule | syncs | worst-step ratio | fixed interval, same worst-step ratio | "
+        "mean ratio | fixed interval, same mean ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def cell(target: float, key: str, syncs: float) -> str:
+        needed, how = equal_distance(target, _curve(found, "every_k", key))
+        if needed is None:
+            return how
+        return f"{needed:.1f} syncs ({how}; {needed - syncs:+.1f})"
+
+    rows = 0
+    for v in found:
+        if v.family not in ("ess", "ess+cap"):
+            continue
+        rows += 1
+        lines.append(
+            f"| {v.label} | {_pm(v.syncs, 1)} | {_pm(v.worst)} | {cell(v.worst[0], 'worst', v.syncs[0])} | "
+            f"{_pm(v.mean_ratio)} | {cell(v.mean_ratio[0], 'mean_ratio', v.syncs[0])} |"
+        )
+    return "\n".join(lines) + "\n" if rows else ""
+
+
+_STYLE = {"ess": ("o", "C0"), "every_k": ("s", "C1"), "max_lag": ("^", "C2"), "ess+cap": ("D", "C3")}
+
+
+def write_tradeoff_plot(
+    found: Sequence[Variant], path: Path, *, no_sync: tuple[float, float] | None = None
+) -> Path | None:
+    """syncs_vs_kl.png: syncs against the worst-step (left) and mean (right) KL ratio, mean ± std over seeds
+    per variant, one line per family; `no_sync` = (worst, mean) of the same loss never synced, at 0 syncs."""
+    if not found:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for ax, key, title in ((axes[0], "worst", "worst-step KL ratio"), (axes[1], "mean_ratio", "mean KL ratio")):
+        for family in FAMILIES:
+            members = [v for v in found if v.family == family]
+            if not members:
+                continue
+            marker, color = _STYLE[family]
+            xs = [v.syncs[0] for v in members]
+            ys = [getattr(v, key)[0] for v in members]
+            ax.errorbar(
+                xs, ys, xerr=[v.syncs[1] for v in members], yerr=[getattr(v, key)[1] for v in members],
+                fmt=marker + "-", color=color, capsize=3, label=family, alpha=0.85,
+            )  # fmt: skip
+            for v, x, y in zip(members, xs, ys, strict=True):
+                text = {"ess": f"{v.param:g}", "every_k": f"k={v.param:g}"}.get(family, f"cap {v.param:g}")
+                ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+        if no_sync is not None:
+            value = no_sync[0] if key == "worst" else no_sync[1]
+            ax.scatter([0], [value], marker="x", color="k", label="never (tis)", zorder=3)
+        for level, style in ((STRICT_LIMIT, ":"), (LIMIT, "--")):
+            ax.axhline(level, color="grey", linestyle=style, linewidth=1)
+        ax.set_xlabel("syncs in the run")
+        ax.set_ylabel(title)
+        ax.set_title(f"dlc: syncs vs {title} (mean ± std over seeds)")
+        ax.grid(alpha=0.3)
+        if key == "worst":
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def no_sync_point(summary: Sequence[dict[str, Any]], *, method: str = "tis") -> tuple[float, float] | None:
+    """(mean worst-step ratio, mean mean ratio) of `method` in `stale` never synced, or None."""
+    runs = [
+        r for r in summary
+        if r["method"] == method and r["setting"] == "stale" and r["sync_rule"] == "never"
+        and r.get("max_kl_ratio") is not None
+    ]  # fmt: skip
+    if not runs:
+        return None
+    return (
+        statistics.fmean(float(r["max_kl_ratio"]) for r in runs),
+        statistics.fmean(float(r["mean_kl_ratio"]) for r in runs),
+    )
+

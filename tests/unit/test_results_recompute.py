@@ -1,0 +1,86 @@
+"""The committed experiment results are recomputable: every folder under docs/results/ with a steps.csv gets
+its summary.csv back from the per-step rows (final reward and wall time, which steps.csv does not hold, are
+taken from the stored summary), its noise threshold back from the on-policy rows, and, where the README has
+the syncs-vs-distance trade-off, that table back from the summary (issue #30).
+
+The CSV files hold 6 significant digits (report._fmt), so a figure recomputed from rounded per-step values
+agrees with the stored one to a few units in the 6th digit: floats are compared at REL, integers and text
+exactly."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from experiments.report import SUMMARY_COLUMNS, read_csv, summary_row
+from experiments.settings import ONPOLICY
+from experiments.tradeoff import has_tradeoff, tradeoff_markdown, variants
+
+REL = 5e-5
+"""Two roundings to 6 significant digits (the inputs and the stored figure) and a division."""
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+FOLDERS = sorted(p.parent for p in RESULTS.rglob("steps.csv"))
+
+
+def _by_run(rows: list[dict]) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {}
+    for row in rows:
+        runs.setdefault(row["run"], []).append(row)
+    return runs
+
+
+def test_the_stress_and_tiny_results_are_committed():
+    names = {p.relative_to(RESULTS).as_posix() for p in FOLDERS}
+    assert {"tiny", "stress"} <= names, names
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.relative_to(RESULTS).as_posix())
+def test_summary_csv_is_recomputed_from_steps_csv(folder):
+    steps = read_csv(folder / "steps.csv")
+    stored = read_csv(folder / "summary.csv")
+    runs = _by_run(steps)
+    assert len(runs) == len(stored), f"{len(runs)} runs in steps.csv, {len(stored)} rows in summary.csv"
+    recomputed = []
+    for row, run_rows in zip(stored, runs.values(), strict=True):
+        first = run_rows[0]
+        assert (row["method"], row["setting"], row["seed"], row["sync_rule"]) == (
+            first["method"], first["setting"], first["seed"], first["sync_rule"]
+        )  # fmt: skip
+        recomputed.append(summary_row(run_rows, final_reward=row["final_reward"], wall_s=row["wall_s"]))
+    for row, again in zip(stored, recomputed, strict=True):
+        for column in SUMMARY_COLUMNS:
+            want, got = row[column], again[column]
+            where = f"{row['setting']}/{row['method']}/{row['sync_rule']}/seed {row['seed']}: {column}"
+            if isinstance(want, float) and got is not None:
+                assert math.isclose(got, want, rel_tol=REL, abs_tol=1e-9), (where, got, want)
+            else:
+                assert got == want, (where, got, want)
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.relative_to(RESULTS).as_posix())
+def test_noise_threshold_and_ratios_follow_from_the_onpolicy_rows(folder):
+    steps = read_csv(folder / "steps.csv")
+    by_step: dict[int, list[float]] = {}
+    for row in steps:
+        if row["method"] == ONPOLICY:
+            by_step.setdefault(row["step"], []).append(row["kl_to_onpolicy"])
+    assert len(by_step) and all(len(v) >= 2 for v in by_step.values())
+    for row in steps:
+        # Each on-policy run's own distance averages its pairs; their mean is the mean over the pairs.
+        values = by_step[row["step"]]
+        assert math.isclose(row["noise_threshold"], sum(values) / len(values), rel_tol=REL)
+        if row["kl_to_onpolicy"] is not None:
+            assert math.isclose(row["kl_ratio"], row["kl_to_onpolicy"] / row["noise_threshold"], rel_tol=REL)
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.relative_to(RESULTS).as_posix())
+def test_the_tradeoff_table_is_recomputed_from_summary_csv(folder):
+    found = variants(read_csv(folder / "summary.csv"))
+    readme = (folder / "README.md").read_text()
+    if not has_tradeoff(found):
+        assert "## Trade-off" not in readme
+        return
+    assert tradeoff_markdown(found) in readme
+    assert (folder / "syncs_vs_kl.png").is_file()

@@ -1,0 +1,121 @@
+"""experiments/tradeoff.py (the syncs-vs-distance trade-off of issue #30) and the stress preset's plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.settings import RunSpec, load_preset, plan_runs
+from experiments.tradeoff import (
+    equal_distance,
+    equal_distance_markdown,
+    has_tradeoff,
+    lowest_passing,
+    sync_variant,
+    tradeoff_markdown,
+    tradeoff_section,
+    variants,
+)
+
+
+def test_sync_variant_reads_every_label_runspec_writes():
+    labels = {
+        RunSpec("dlc", "stale", 0, "ess", "float32", ess_threshold=0.3).sync_label: ("ess", 0.3),
+        RunSpec("dlc", "every_k", 0, "every_k", "float32", sync_every=8).sync_label: ("every_k", 8.0),
+        RunSpec("dlc", "max_lag", 0, "max_lag", "float32", max_lag_steps=4).sync_label: ("max_lag", 4.0),
+        RunSpec("dlc", "max_lag", 0, "ess", "float32", ess_threshold=0.5, max_lag_steps=2).sync_label: (
+            "ess+cap",
+            2.0,
+        ),
+    }
+    assert list(labels) == ["ess_lag<0.3", "every 8", "lag>=4", "ess_lag<0.5 or lag>=2"]
+    for label, expected in labels.items():
+        assert sync_variant(label) == expected
+    assert sync_variant("never") is None and sync_variant("every step") is None
+
+
+def test_equal_distance_interpolates_between_the_bracketing_intervals():
+    # every 1 / 2 / 4 / 8 over 24 steps: 24, 12, 6, 3 syncs; distance falls with more syncs.
+    curve = [(24.0, 1.0), (12.0, 1.2), (6.0, 1.6), (3.0, 2.2)]
+    assert equal_distance(1.4, curve) == (pytest.approx(9.0), "interpolated")  # halfway between 6 and 12
+    assert equal_distance(1.2, curve) == (pytest.approx(12.0), "interpolated")
+    assert equal_distance(0.9, curve) == (None, "closer than every fixed interval measured (best 1.00)")
+    assert equal_distance(2.5, curve) == (None, "farther than every fixed interval measured (worst 2.20)")
+    assert equal_distance(1.0, []) == (None, "no fixed-interval runs")
+
+
+def _row(rule: str, seed: int, *, syncs: int, worst: float, mean: float, setting: str = "stale") -> dict:
+    return {
+        "method": "dlc", "setting": setting, "seed": seed, "sync_rule": rule, "syncs": syncs,
+        "max_kl_ratio": worst, "mean_kl_ratio": mean, "final_reward": 0.5,
+    }  # fmt: skip
+
+
+def _summary() -> list[dict]:
+    rows = []
+    for seed in range(3):
+        rows += [
+            _row("ess_lag<0.3", seed, syncs=3, worst=1.9 + 0.1 * seed, mean=1.3, setting="stale"),
+            _row("ess_lag<0.7", seed, syncs=6, worst=1.3 + 0.05 * seed, mean=1.1, setting="stale"),
+            _row("every 2", seed, syncs=12, worst=1.2, mean=1.05, setting="every_k"),
+            _row("every 8", seed, syncs=3, worst=2.4, mean=1.5, setting="every_k"),
+            _row("lag>=4", seed, syncs=4, worst=2.0, mean=1.4, setting="max_lag"),
+        ]
+    rows.append({**_row("never", 0, syncs=0, worst=3.0, mean=2.0), "method": "tis"})
+    return rows
+
+
+def test_variants_aggregate_over_seeds_and_find_the_cheapest_passing_rule():
+    found = variants(_summary())
+    assert [(v.family, v.param) for v in found] == [
+        ("ess", 0.3), ("ess", 0.7), ("every_k", 2.0), ("every_k", 8.0), ("max_lag", 4.0)
+    ]  # fmt: skip
+    low = found[0]
+    assert low.seeds == 3 and low.syncs == (3.0, 0.0)
+    assert low.worst[0] == pytest.approx(2.0) and low.worst[1] == pytest.approx(0.1)
+    assert low.worst_max == pytest.approx(2.1) and low.within_limit == 2 and low.within_strict == 0
+    assert lowest_passing(found).param == 0.7  # 0.3 has seeds over 1.5
+    assert lowest_passing(found, limit=1.0) is None
+    assert lowest_passing(found, family="every_k").param == 2.0
+    assert has_tradeoff(found) and not has_tradeoff(found[:3])
+
+
+def test_equal_distance_table_and_section(tmp_path):
+    found = variants(_summary())
+    table = equal_distance_markdown(found)
+    # ESS 0.7: 6 syncs at mean ratio 1.1; the fixed interval needs 3 + (1.1 - 1.5) (12 - 3) / (1.05 - 1.5) = 11.
+    assert "| ess_lag<0.7 | 6.0 ± 0.0 |" in table and "11.0 syncs (interpolated; +5.0)" in table
+    text, plots = tradeoff_section(_summary(), tmp_path)
+    assert tradeoff_markdown(found) in text and plots == [tmp_path / "syncs_vs_kl.png"]
+    assert plots[0].stat().st_size > 10_000
+    assert "Lowest ESS threshold at which every seed stays within 1.5 noise thresholds at every step: 0.7" in text
+    assert tradeoff_section([r for r in _summary() if r["sync_rule"] != "every 8"], tmp_path) == ("", [])
+
+
+def test_stress_plan_covers_the_issue():
+    preset = load_preset("stress")
+    plan = plan_runs(preset)
+    assert len(preset.seeds) >= 5 and len(preset.onpolicy_seeds) >= 4
+    by_rule: dict[tuple[str, str], set[int]] = {}
+    for spec in plan:
+        by_rule.setdefault((spec.method, spec.sync_label), set()).add(spec.seed)
+    for label in ("ess_lag<0.3", "ess_lag<0.5", "ess_lag<0.7", "ess_lag<0.9", "every 1", "every 2", "every 4",
+                  "every 8", "lag>=2", "lag>=4", "lag>=8", "ess_lag<0.5 or lag>=2", "ess_lag<0.5 or lag>=4",
+                  "ess_lag<0.5 or lag>=8"):  # fmt: skip
+        assert by_rule[("dlc", label)] == set(preset.seeds), label
+    for method in ("naive", "tis", "center", "ppo", "dual"):
+        assert by_rule[(method, "never")] == set(preset.seeds), method
+    assert len({spec.name for spec in plan}) == len(plan)
+    assert all(spec.sampler_dtype == "float32" for spec in plan)  # no lowprec: one engine start
+    # The seeds of one variant are adjacent (a cut-off run leaves whole variants behind it).
+    labels = [(s.setting, s.method, s.sync_label) for s in plan]
+    assert all(labels.count(x) == len(preset.seeds) for x in set(labels) if x[1] != "onpolicy")
+    assert len({labels.index(x) for x in labels}) == len(set(labels))
+
+
+def test_preset_checks_the_sweep_fields():
+    with pytest.raises(Exception, match="max_lag_caps"):
+        load_preset("tiny", ['settings=["max_lag"]'])
+    with pytest.raises(Exception, match="setting_methods names settings that are not run"):
+        load_preset("tiny", {"setting_methods": {"max_lag": ["dlc"]}})
+    with pytest.raises(Exception, match="dlc_every_k has duplicates"):
+        load_preset("stress", ["dlc_every_k=[2,2]"])
