@@ -284,7 +284,7 @@ def write_tradeoff_plot(
             ax.axhline(level, color="grey", linestyle=style, linewidth=1)
         ax.set_xlabel("syncs in the run")
         ax.set_ylabel(title)
-        ax.set_title(f"dlc: syncs vs {title} (mean ± std over seeds)")
+        ax.set_title(f"syncs vs {title} of dlc (mean ± std over seeds)")
         ax.grid(alpha=0.3)
         if key == "worst":
             ax.legend(fontsize=8)
