@@ -448,7 +448,7 @@ def _readme(
         if (out_dir / "FINDINGS.md").is_file()
         else ""
     )
-    rationale = f"\n## Why this preset\n\n{preset.rationale}\n" if preset.rationale else ""
+    rationale = f"\n\n## Why this preset\n\n{preset.rationale}\n" if preset.rationale else ""
     intervals = (
         f"; dlc also at every {', '.join(str(k) for k in preset.dlc_every_k)} steps"
         if preset.dlc_every_k

@@ -27,6 +27,7 @@ __all__ = [
     "FAMILIES",
     "STRICT_LIMIT",
     "Variant",
+    "bootstrap_saving",
     "equal_distance",
     "equal_distance_markdown",
     "has_tradeoff",
@@ -84,6 +85,8 @@ class Variant:
     """Seeds within 2 noise thresholds at every step."""
     reward: float
     """Mean final reward."""
+    runs: tuple[tuple[float, float, float], ...] = ()
+    """(syncs, worst-step ratio, mean ratio) of each seed, in seed order (for the bootstrap)."""
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -116,6 +119,10 @@ def variants(summary: Sequence[dict[str, Any]], *, method: str = "dlc") -> list[
                 within_strict=sum(1 for w in worst if w <= STRICT_LIMIT),
                 within_limit=sum(1 for w in worst if w <= LIMIT),
                 reward=statistics.fmean(float(r["final_reward"]) for r in runs),
+                runs=tuple(
+                    (float(r["syncs"]), float(r["max_kl_ratio"]), float(r["mean_kl_ratio"]))
+                    for r in sorted(runs, key=lambda r: r["seed"])
+                ),
             )
         )
     return sorted(out, key=lambda v: (FAMILIES.index(v.family), v.param))
@@ -152,6 +159,57 @@ def _curve(found: Sequence[Variant], family: str, key: str) -> list[tuple[float,
     return [(v.syncs[0], getattr(v, key)[0]) for v in found if v.family == family]
 
 
+_KEY_INDEX = {"worst": 1, "mean_ratio": 2}
+BOOTSTRAP_DRAWS = 4000
+BOOTSTRAP_SEED = 0
+
+
+def bootstrap_saving(
+    found: Sequence[Variant],
+    variant: Variant,
+    key: str,
+    *,
+    draws: int = BOOTSTRAP_DRAWS,
+    seed: int = BOOTSTRAP_SEED,
+) -> tuple[float, float, float, int] | None:
+    """How uncertain `equal_distance`'s answer is with this many seeds: every draw resamples the seeds of
+    `variant` and of each fixed interval (with replacement, independently), recomputes the means and the
+    syncs the fixed interval needs for the variant's distance, minus the variant's syncs. Returns (median,
+    5th percentile, 95th percentile, draws without an answer: the distance outside the resampled curve);
+    None when fewer than half of the draws answer. Deterministic for a given seed."""
+    import random
+
+    rng = random.Random(seed)
+    index = _KEY_INDEX[key]
+    fixed = [v for v in found if v.family == "every_k"]
+    if not fixed or not variant.runs:
+        return None
+
+    def resampled_mean(runs: Sequence[tuple[float, float, float]], i: int, picks: list[int]) -> float:
+        return statistics.fmean(runs[p][i] for p in picks)
+
+    savings = []
+    for _ in range(draws):
+        picks = [rng.randrange(len(variant.runs)) for _ in variant.runs]
+        syncs = resampled_mean(variant.runs, 0, picks)
+        target = resampled_mean(variant.runs, index, picks)
+        curve = []
+        for v in fixed:
+            fixed_picks = [rng.randrange(len(v.runs)) for _ in v.runs]
+            curve.append((resampled_mean(v.runs, 0, fixed_picks), resampled_mean(v.runs, index, fixed_picks)))
+        needed, _ = equal_distance(target, curve)
+        if needed is not None:
+            savings.append(needed - syncs)
+    if len(savings) < draws / 2:
+        return None
+    savings.sort()
+
+    def quantile(q: float) -> float:
+        return savings[min(len(savings) - 1, max(0, round(q * (len(savings) - 1))))]
+
+    return quantile(0.5), quantile(0.05), quantile(0.95), draws - len(savings)
+
+
 def _pm(pair: tuple[float, float], digits: int = 2) -> str:
     return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
@@ -186,14 +244,17 @@ def tradeoff_section(summary: Sequence[dict[str, Any]], out_dir: Path) -> tuple[
             if any(v.family == family for v in found):
                 cheapest.append(
                     f"- `{family}`, every seed within {limit:g} at every step: "
-                    + (f"{best.label}, {_pm(best.syncs, 1)} syncs." if best else "no variant run.")
+                    + (f"{best.label}, {_pm(best.syncs, 1)} syncs." if best else "none of the variants run passes.")
                 )
     text = (
         "## Trade-off: syncs against distance to on-policy (dlc)\n\n"
         + tradeoff_markdown(found)
         + "\nAt equal distance: the syncs a fixed interval (`every_k`, interpolated linearly between the measured "
         "k) needs for the same worst-step and mean ratio as each ESS-triggered rule (in brackets: its syncs minus "
-        "the ESS rule's; positive = the ESS rule syncs less):\n\n"
+        "the ESS rule's; positive = the ESS rule syncs less). Syncs saved: the same difference over "
+        f"{BOOTSTRAP_DRAWS} bootstrap draws that resample the seeds of every rule independently (median [5th, "
+        "95th percentile]; draws whose distance falls outside the resampled fixed-interval curve are left out "
+        "and counted):\n\n"
         + equal_distance_markdown(found)
         + "\n"
         + strict_line
@@ -223,9 +284,9 @@ def equal_distance_markdown(found: Sequence[Variant]) -> str:
     """Per ESS-triggered variant (alone or with a cap): its syncs against the syncs a fixed interval needs for
     the same worst-step and mean ratio."""
     lines = [
-        "| ESS-triggered rule | syncs | worst-step ratio | fixed interval, same worst-step ratio | "
-        "mean ratio | fixed interval, same mean ratio |",
-        "|---|---|---|---|---|---|",
+        "| ESS-triggered rule | syncs | worst-step ratio | fixed interval, same worst-step ratio | syncs saved "
+        "[90% bootstrap] | mean ratio | fixed interval, same mean ratio | syncs saved [90% bootstrap] |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(target: float, key: str, syncs: float) -> str:
@@ -234,6 +295,14 @@ def equal_distance_markdown(found: Sequence[Variant]) -> str:
             return how
         return f"{needed:.1f} syncs ({how}; {needed - syncs:+.1f})"
 
+    def interval(v: Variant, key: str) -> str:
+        boot = bootstrap_saving(found, v, key)
+        if boot is None:
+            return "–"
+        median, low, high, missing = boot
+        note = f", {missing} draws outside" if missing else ""
+        return f"{median:+.1f} [{low:+.1f}, {high:+.1f}{note}]"
+
     rows = 0
     for v in found:
         if v.family not in ("ess", "ess+cap"):
@@ -241,7 +310,8 @@ def equal_distance_markdown(found: Sequence[Variant]) -> str:
         rows += 1
         lines.append(
             f"| {v.label} | {_pm(v.syncs, 1)} | {_pm(v.worst)} | {cell(v.worst[0], 'worst', v.syncs[0])} | "
-            f"{_pm(v.mean_ratio)} | {cell(v.mean_ratio[0], 'mean_ratio', v.syncs[0])} |"
+            f"{interval(v, 'worst')} | {_pm(v.mean_ratio)} | {cell(v.mean_ratio[0], 'mean_ratio', v.syncs[0])} | "
+            f"{interval(v, 'mean_ratio')} |"
         )
     return "\n".join(lines) + "\n" if rows else ""
 

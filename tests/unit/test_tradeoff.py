@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from experiments.settings import RunSpec, load_preset, plan_runs
@@ -119,3 +121,27 @@ def test_preset_checks_the_sweep_fields():
         load_preset("tiny", {"setting_methods": {"max_lag": ["dlc"]}})
     with pytest.raises(Exception, match="dlc_every_k has duplicates"):
         load_preset("stress", ["dlc_every_k=[2,2]"])
+
+
+def test_bootstrap_saving_is_deterministic_and_brackets_the_point_estimate():
+    from experiments.tradeoff import bootstrap_saving
+
+    rows = _summary()
+    # Give the fixed intervals and the ESS rule a seed-to-seed spread.
+    for row in rows:
+        if row["sync_rule"] in ("every 2", "every 8", "ess_lag<0.7"):
+            row["mean_kl_ratio"] += 0.05 * (row["seed"] - 1)
+    found = variants(rows)
+    ess = next(v for v in found if v.label == "ess_lag<0.7")
+    first = bootstrap_saving(found, ess, "mean_ratio", draws=500)
+    assert first == bootstrap_saving(found, ess, "mean_ratio", draws=500)
+    median, low, high, missing = first
+    assert low <= 5.0 <= high and low <= median <= high and 0 <= missing < 250  # point estimate: +5.0
+    # Without any seed-to-seed spread every draw gives the point estimate.
+    flat = variants(_summary())
+    assert bootstrap_saving(flat, next(v for v in flat if v.label == "ess_lag<0.7"), "mean_ratio", draws=50) == (
+        pytest.approx(5.0), pytest.approx(5.0), pytest.approx(5.0), 0
+    )
+    # A distance no fixed interval reaches in most draws has no answer.
+    far = next(v for v in flat if v.label == "lag>=4")
+    assert bootstrap_saving(flat, dataclasses.replace(far, runs=((4.0, 9.0, 9.0),) * 3), "worst", draws=50) is None
