@@ -117,8 +117,9 @@ def test_stress_plan_covers_the_issue():
 def test_preset_checks_the_sweep_fields():
     with pytest.raises(Exception, match="max_lag_caps"):
         load_preset("tiny", ['settings=["max_lag"]'])
-    with pytest.raises(Exception, match="setting_methods names settings that are not run"):
-        load_preset("tiny", {"setting_methods": {"max_lag": ["dlc"]}})
+    # A subset of the stress preset's settings keeps their methods (what --merge-into re-runs).
+    subset = plan_runs(load_preset("stress", ['settings=["noisy"]']))
+    assert {s.method for s in subset if s.setting == "noisy"} == {"ppo", "dual"}
     with pytest.raises(Exception, match="dlc_every_k has duplicates"):
         load_preset("stress", ["dlc_every_k=[2,2]"])
 
