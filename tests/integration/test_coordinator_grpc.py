@@ -403,6 +403,28 @@ def test_lag_cap_publishes_a_stale_batch(start_server):
     assert err.details().startswith("stats.staleness_steps_max: missing")
 
 
+def test_max_lag_policy_publishes_only_at_the_cap(start_server):
+    """Sync policy `max_lag` over real gRPC: the ESS plays no part, the oldest rollout's age decides; a report
+    without that age is INVALID_ARGUMENT naming the field."""
+    harness = start_server(sync_policy="max_lag", max_lag_steps=2, max_inflight_batches=4)
+    stub = harness.stub
+    register(stub, "s0")
+
+    def report_lag(step: int, lag_steps: float | None) -> pb.ReportStepResponse:
+        stats = {"ess_lag": 0.01} if lag_steps is None else {"ess_lag": 0.01, "staleness_steps_max": lag_steps}
+        return stub.ReportStep(pb.ReportStepRequest(step=step, batch_id=step, weight_version=0, stats=stats))
+
+    below = report_lag(0, 1)
+    assert not below.publish and below.reason == "max_lag_steps: oldest rollout 1 steps old < 2"
+    assert report_lag(1, 2).publish
+    status = stub.GetStatus(pb.GetStatusRequest())
+    assert status.sync_policy == "max_lag"
+    assert status.sync_policy_detail == "publish when the oldest rollout is >= 2 steps old"
+    err = rpc_error(report_lag, 2, None)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("stats.staleness_steps_max: missing")
+
+
 @pytest.mark.parametrize(
     ("policy", "expected"),
     [("every_k", [False, True, False, True]), ("always", [True] * 4), ("never", [False] * 4)],
