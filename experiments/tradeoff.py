@@ -32,7 +32,9 @@ __all__ = [
     "equal_distance_markdown",
     "has_tradeoff",
     "lowest_passing",
+    "main",
     "no_sync_point",
+    "pooled_summary",
     "sync_variant",
     "tradeoff_section",
     "tradeoff_markdown",
@@ -378,3 +380,50 @@ def no_sync_point(summary: Sequence[dict[str, Any]], *, method: str = "tis") -> 
         statistics.fmean(float(r["mean_kl_ratio"]) for r in runs),
     )
 
+
+
+def pooled_summary(folders: Sequence[Path]) -> list[dict[str, Any]]:
+    """The summary.csv rows of several results folders of one preset (the same on-policy references and noise
+    threshold, different seeds), as one summary; raises ValueError when two folders hold the same run."""
+    from experiments.report import read_csv
+
+    rows: list[dict[str, Any]] = []
+    seen: dict[tuple[str, str, str, int], Path] = {}
+    for folder in folders:
+        for row in read_csv(folder / "summary.csv"):
+            key = (row["setting"], row["method"], row["sync_rule"], row["seed"])
+            if key in seen and row["method"] != "onpolicy":
+                raise ValueError(f"{folder} and {seen[key]} both hold {key}: pool folders with different seeds")
+            seen.setdefault(key, folder)
+            rows.append(row)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m experiments.tradeoff FOLDER... --out DIR`: the trade-off over the seeds of several results
+    folders (e.g. a preset's run and a run of more seeds): DIR/tradeoff.md and DIR/syncs_vs_kl.png."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m experiments.tradeoff", description=main.__doc__)
+    parser.add_argument("folders", nargs="+", type=Path, help="results folders holding summary.csv")
+    parser.add_argument("--out", type=Path, required=True, help="folder for tradeoff.md and syncs_vs_kl.png")
+    args = parser.parse_args(argv)
+    for folder in args.folders:
+        if not (folder / "summary.csv").is_file():
+            parser.error(f"{folder} holds no summary.csv")
+    try:
+        summary = pooled_summary(args.folders)
+    except ValueError as err:
+        parser.error(str(err))
+    args.out.mkdir(parents=True, exist_ok=True)
+    text, _ = tradeoff_section(summary, args.out)
+    if not text:
+        parser.error("the folders hold no fixed-interval curve (dlc at two intervals or more)")
+    sources = ", ".join(f"`{folder.as_posix()}`" for folder in args.folders)
+    (args.out / "tradeoff.md").write_text(f"Pooled from the summary.csv of {sources}.\n\n{text}")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

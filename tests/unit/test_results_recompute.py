@@ -84,3 +84,19 @@ def test_the_tradeoff_table_is_recomputed_from_summary_csv(folder):
         return
     assert tradeoff_markdown(found) in readme
     assert (folder / "syncs_vs_kl.png").is_file()
+
+
+POOLED = sorted(RESULTS.rglob("tradeoff.md"))
+
+
+@pytest.mark.parametrize("path", POOLED, ids=lambda p: p.parent.relative_to(RESULTS).as_posix())
+def test_pooled_tradeoff_is_recomputed_from_its_sources(path):
+    """A trade-off pooled over several folders (python -m experiments.tradeoff) comes back from their CSVs."""
+    from experiments.tradeoff import pooled_summary
+
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("Pooled from the summary.csv of "), first
+    repo = RESULTS.parents[1]
+    sources = [repo / part.strip(" `.") for part in first.removeprefix("Pooled from the summary.csv of ").split(",")]
+    assert all((s / "summary.csv").is_file() for s in sources), sources
+    assert tradeoff_markdown(variants(pooled_summary(sources))) in path.read_text()

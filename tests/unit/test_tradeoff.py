@@ -146,3 +146,23 @@ def test_bootstrap_saving_is_deterministic_and_brackets_the_point_estimate():
     # A distance no fixed interval reaches in most draws has no answer.
     far = next(v for v in flat if v.label == "lag>=4")
     assert bootstrap_saving(flat, dataclasses.replace(far, runs=((4.0, 9.0, 9.0),) * 3), "worst", draws=50) is None
+
+
+def test_pooled_trade_off_over_folders_of_different_seeds(tmp_path):
+    from experiments.report import SUMMARY_COLUMNS, write_csv
+    from experiments.tradeoff import main, pooled_summary
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, seeds in ((first, (0, 1, 2)), (second, (3, 4))):
+        folder.mkdir()
+        rows = [{**r, "seed": r["seed"] + seeds[0]} for r in _summary() if r["seed"] + seeds[0] in seeds]
+        write_csv(folder / "summary.csv", rows, SUMMARY_COLUMNS)
+    pooled = pooled_summary([first, second])
+    assert {v.label: v.seeds for v in variants(pooled)}["every 2"] == 5
+    assert main([str(first), str(second), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "tradeoff.md").read_text()
+    assert text.startswith("Pooled from the summary.csv of ") and tradeoff_markdown(variants(pooled)) in text
+    with pytest.raises(ValueError, match="both hold"):
+        pooled_summary([first, first])
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
