@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,15 @@ def test_wandb_offline_writes_its_run_folder_with_the_rows_of_metrics_jsonl(tmp_
     rows = log_rows(cfg, tmp_path)
     [run] = list((tmp_path / "wandb").glob("offline-run-*"))
     assert run.name.endswith(f"{tmp_path.name}-track1")  # the run's own id: a restarted trainer resumes it
-    records = wandb_records(run)
-    steps = [h for h in records["history"] if "_step" in h]
+    # W&B's service process writes the .wandb file; on a busy machine its last records can land just after
+    # finish() returns (seen once with both cores busy: no history yet). Wait for them, bounded.
+    deadline = time.monotonic() + 60
+    while True:
+        records = wandb_records(run)
+        steps = [h for h in records["history"] if "_step" in h]
+        if len(steps) >= len(ROWS) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert [h["_step"] for h in steps] == [0, 1, 2]
     for logged, row in zip(steps, rows, strict=True):
         assert numeric_keys(row) <= set(logged)
