@@ -34,6 +34,7 @@ __all__ = [
     "lowest_passing",
     "main",
     "no_sync_point",
+    "pareto_front",
     "pooled_summary",
     "sync_variant",
     "tradeoff_section",
@@ -128,6 +129,21 @@ def variants(summary: Sequence[dict[str, Any]], *, method: str = "dlc") -> list[
             )
         )
     return sorted(out, key=lambda v: (FAMILIES.index(v.family), v.param))
+
+
+def pareto_front(found: Sequence[Variant], key: str) -> list[Variant]:
+    """The variants no other variant beats on both fewer (or as few) mean syncs and a smaller (or equal) mean
+    `key` ("worst" or "mean_ratio"), by ascending syncs."""
+    def point(v: Variant) -> tuple[float, float]:
+        return (v.syncs[0], getattr(v, key)[0])
+
+    front = [
+        v for v in found
+        if not any(
+            point(o)[0] <= point(v)[0] and point(o)[1] <= point(v)[1] and point(o) != point(v) for o in found
+        )
+    ]  # fmt: skip
+    return sorted(front, key=point)
 
 
 def lowest_passing(found: Sequence[Variant], *, family: str = "ess", limit: float = STRICT_LIMIT) -> Variant | None:
@@ -239,6 +255,11 @@ def tradeoff_section(summary: Sequence[dict[str, Any]], out_dir: Path) -> tuple[
             + ")."
         )
     )
+    fronts = "\n".join(
+        f"- Pareto front ({name}; no other rule has both fewer mean syncs and a smaller mean {name}): "
+        + ", ".join(f"{v.label} ({v.syncs[0]:.1f}, {getattr(v, key)[0]:.2f})" for v in pareto_front(found, key))
+        for key, name in (("worst", "worst-step ratio"), ("mean_ratio", "mean ratio"))
+    )
     cheapest = []
     for family in FAMILIES:
         for limit in (STRICT_LIMIT, LIMIT):
@@ -259,6 +280,8 @@ def tradeoff_section(summary: Sequence[dict[str, Any]], out_dir: Path) -> tuple[
         "and counted):\n\n"
         + equal_distance_markdown(found)
         + "\n"
+        + fronts
+        + "\n\n"
         + strict_line
         + "\n\nCheapest rule of each family (fewest mean syncs) meeting a target on every seed:\n\n"
         + "\n".join(cheapest)
@@ -349,6 +372,11 @@ def write_tradeoff_plot(
             for v, x, y in zip(members, xs, ys, strict=True):
                 text = {"ess": f"{v.param:g}", "every_k": f"k={v.param:g}"}.get(family, f"cap {v.param:g}")
                 ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+        front = pareto_front(found, key)
+        ax.step(
+            [v.syncs[0] for v in front], [getattr(v, key)[0] for v in front], where="post", color="grey",
+            linewidth=4, alpha=0.25, label="Pareto front", zorder=0,
+        )  # fmt: skip
         if no_sync is not None:
             value = no_sync[0] if key == "worst" else no_sync[1]
             ax.scatter([0], [value], marker="x", color="k", label="never (tis)", zorder=3)

@@ -166,3 +166,13 @@ def test_pooled_trade_off_over_folders_of_different_seeds(tmp_path):
         pooled_summary([first, first])
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+
+
+def test_pareto_front_keeps_the_rules_nothing_beats_on_both_axes():
+    from experiments.tradeoff import pareto_front
+
+    found = variants(_summary())
+    # (syncs, mean ratio): 0.3 (3, 1.3), 0.7 (6, 1.1), every 2 (12, 1.05), every 8 (3, 1.5), lag>=4 (4, 1.4)
+    assert [v.label for v in pareto_front(found, "mean_ratio")] == ["ess_lag<0.3", "ess_lag<0.7", "every 2"]
+    # worst: 0.3 (3, 2.0), 0.7 (6, 1.35), every 2 (12, 1.2), every 8 (3, 2.4), lag>=4 (4, 2.0)
+    assert [v.label for v in pareto_front(found, "worst")] == ["ess_lag<0.3", "ess_lag<0.7", "every 2"]
