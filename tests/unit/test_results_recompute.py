@@ -100,3 +100,8 @@ def test_pooled_tradeoff_is_recomputed_from_its_sources(path):
     sources = [repo / part.strip(" `.") for part in first.removeprefix("Pooled from the summary.csv of ").split(",")]
     assert all((s / "summary.csv").is_file() for s in sources), sources
     assert tradeoff_markdown(variants(pooled_summary(sources))) in path.read_text()
+    # Pooled ratios share one yardstick: every source rebuilt the same on-policy references.
+    thresholds = [{r["step"]: r["noise_threshold"] for r in read_csv(s / "steps.csv")} for s in sources]
+    for other in thresholds[1:]:
+        assert other.keys() == thresholds[0].keys()
+        assert all(math.isclose(other[k], thresholds[0][k], rel_tol=REL) for k in other)
