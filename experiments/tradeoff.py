@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.report import RATIO_LIMIT, read_csv
+
 __all__ = [
     "FAMILIES",
     "STRICT_LIMIT",
@@ -46,7 +48,6 @@ __all__ = [
 FAMILIES = ("ess", "every_k", "max_lag", "ess+cap")
 STRICT_LIMIT = 1.5
 """The stricter target of issue #30: every seed within 1.5 noise thresholds at every step."""
-LIMIT = 2.0
 
 _ESS = re.compile(r"^ess_lag<(?P<t>[0-9.]+)$")
 _EVERY = re.compile(r"^every (?P<k>\d+)$")
@@ -120,7 +121,7 @@ def variants(summary: Sequence[dict[str, Any]], *, method: str = "dlc") -> list[
                 worst_max=max(worst),
                 mean_ratio=_mean_std([float(r["mean_kl_ratio"]) for r in runs]),
                 within_strict=sum(1 for w in worst if w <= STRICT_LIMIT),
-                within_limit=sum(1 for w in worst if w <= LIMIT),
+                within_limit=sum(1 for w in worst if w <= RATIO_LIMIT),
                 reward=statistics.fmean(float(r["final_reward"]) for r in runs),
                 runs=tuple(
                     (float(r["syncs"]), float(r["max_kl_ratio"]), float(r["mean_kl_ratio"]))
@@ -262,7 +263,7 @@ def tradeoff_section(summary: Sequence[dict[str, Any]], out_dir: Path) -> tuple[
     )
     cheapest = []
     for family in FAMILIES:
-        for limit in (STRICT_LIMIT, LIMIT):
+        for limit in (STRICT_LIMIT, RATIO_LIMIT):
             best = lowest_passing(found, family=family, limit=limit)
             if any(v.family == family for v in found):
                 cheapest.append(
@@ -294,7 +295,7 @@ def tradeoff_markdown(found: Sequence[Variant]) -> str:
     """The trade-off table: one row per variant."""
     lines = [
         "| family | sync rule | seeds | syncs | worst-step ratio | highest seed | mean ratio | "
-        f"seeds ≤ {STRICT_LIMIT:g} | seeds ≤ {LIMIT:g} | final reward |",
+        f"seeds ≤ {STRICT_LIMIT:g} | seeds ≤ {RATIO_LIMIT:g} | final reward |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in found:
@@ -380,7 +381,7 @@ def write_tradeoff_plot(
         if no_sync is not None:
             value = no_sync[0] if key == "worst" else no_sync[1]
             ax.scatter([0], [value], marker="x", color="k", label="never (tis)", zorder=3)
-        for level, style in ((STRICT_LIMIT, ":"), (LIMIT, "--")):
+        for level, style in ((STRICT_LIMIT, ":"), (RATIO_LIMIT, "--")):
             ax.axhline(level, color="grey", linestyle=style, linewidth=1)
         ax.set_xlabel("syncs in the run")
         ax.set_ylabel(title)
@@ -413,8 +414,6 @@ def no_sync_point(summary: Sequence[dict[str, Any]], *, method: str = "tis") -> 
 def pooled_summary(folders: Sequence[Path]) -> list[dict[str, Any]]:
     """The summary.csv rows of several results folders of one preset (the same on-policy references and noise
     threshold, different seeds), as one summary; raises ValueError when two folders hold the same run."""
-    from experiments.report import read_csv
-
     rows: list[dict[str, Any]] = []
     seen: dict[tuple[str, str, str, int], Path] = {}
     for folder in folders:
