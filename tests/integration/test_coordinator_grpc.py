@@ -176,6 +176,12 @@ def report(
     )
 
 
+def report_with_lag(stub, step: int, lag_steps: float | None, *, ess_lag: float) -> pb.ReportStepResponse:
+    """A step report of batch `step` with `ess_lag` and, unless None, the oldest rollout's age in steps."""
+    stats = {"ess_lag": ess_lag} if lag_steps is None else {"ess_lag": ess_lag, "staleness_steps_max": lag_steps}
+    return stub.ReportStep(pb.ReportStepRequest(step=step, batch_id=step, weight_version=0, stats=stats))
+
+
 def tasks_in_stream(harness: Harness) -> list[wire.Task]:
     entries = harness.conn.client.xrange(stream_key(RUN_ID, "tasks"))
     return [wire.decode(fields[b"d"], expected=wire.Task) for _, fields in entries]
@@ -385,8 +391,7 @@ def test_lag_cap_publishes_a_stale_batch(start_server):
     register(stub, "s0")
 
     def report_lag(step: int, lag_steps: float | None) -> pb.ReportStepResponse:
-        stats = {"ess_lag": 0.9} if lag_steps is None else {"ess_lag": 0.9, "staleness_steps_max": lag_steps}
-        return stub.ReportStep(pb.ReportStepRequest(step=step, batch_id=step, weight_version=0, stats=stats))
+        return report_with_lag(stub, step, lag_steps, ess_lag=0.9)
 
     below = report_lag(0, 2)
     assert not below.publish
@@ -411,8 +416,7 @@ def test_max_lag_policy_publishes_only_at_the_cap(start_server):
     register(stub, "s0")
 
     def report_lag(step: int, lag_steps: float | None) -> pb.ReportStepResponse:
-        stats = {"ess_lag": 0.01} if lag_steps is None else {"ess_lag": 0.01, "staleness_steps_max": lag_steps}
-        return stub.ReportStep(pb.ReportStepRequest(step=step, batch_id=step, weight_version=0, stats=stats))
+        return report_with_lag(stub, step, lag_steps, ess_lag=0.01)
 
     below = report_lag(0, 1)
     assert not below.publish and below.reason == "max_lag_steps: oldest rollout 1 steps old < 2"
