@@ -70,27 +70,52 @@ def sync_variant(sync_rule: str) -> tuple[str, float] | None:
 
 @dataclass(frozen=True)
 class Variant:
-    """One sync rule of dlc over its seeds."""
+    """One sync rule of dlc over its seeds; every figure derives from the per-seed `runs`."""
 
     family: str
     param: float
     label: str
-    seeds: int
-    syncs: tuple[float, float]
-    """(mean, std) over seeds."""
-    worst: tuple[float, float]
-    """Worst-step KL ratio (mean, std) over seeds."""
-    worst_max: float
-    """The largest worst-step ratio of any seed."""
-    mean_ratio: tuple[float, float]
-    within_strict: int
-    """Seeds within STRICT_LIMIT at every step."""
-    within_limit: int
-    """Seeds within 2 noise thresholds at every step."""
+    runs: tuple[tuple[float, float, float], ...]
+    """(syncs, worst-step ratio, mean ratio) of each seed, in seed order."""
     reward: float
     """Mean final reward."""
-    runs: tuple[tuple[float, float, float], ...] = ()
-    """(syncs, worst-step ratio, mean ratio) of each seed, in seed order (for the bootstrap)."""
+
+    def _column(self, index: int) -> list[float]:
+        return [run[index] for run in self.runs]
+
+    @property
+    def seeds(self) -> int:
+        return len(self.runs)
+
+    @property
+    def syncs(self) -> tuple[float, float]:
+        """(mean, std) over seeds."""
+        return _mean_std(self._column(0))
+
+    @property
+    def worst(self) -> tuple[float, float]:
+        """Worst-step KL ratio (mean, std) over seeds."""
+        return _mean_std(self._column(1))
+
+    @property
+    def worst_max(self) -> float:
+        """The largest worst-step ratio of any seed."""
+        return max(self._column(1))
+
+    @property
+    def mean_ratio(self) -> tuple[float, float]:
+        """Mean KL ratio (mean, std) over seeds."""
+        return _mean_std(self._column(2))
+
+    @property
+    def within_strict(self) -> int:
+        """Seeds within STRICT_LIMIT at every step."""
+        return sum(1 for w in self._column(1) if w <= STRICT_LIMIT)
+
+    @property
+    def within_limit(self) -> int:
+        """Seeds within RATIO_LIMIT (2 noise thresholds) at every step."""
+        return sum(1 for w in self._column(1) if w <= RATIO_LIMIT)
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -107,28 +132,19 @@ def variants(summary: Sequence[dict[str, Any]], *, method: str = "dlc") -> list[
         parsed = sync_variant(row["sync_rule"])
         if parsed is not None:
             groups.setdefault((*parsed, row["sync_rule"]), []).append(row)
-    out = []
-    for (family, param, label), runs in groups.items():
-        worst = [float(r["max_kl_ratio"]) for r in runs]
-        out.append(
-            Variant(
-                family=family,
-                param=param,
-                label=label,
-                seeds=len(runs),
-                syncs=_mean_std([float(r["syncs"]) for r in runs]),
-                worst=_mean_std(worst),
-                worst_max=max(worst),
-                mean_ratio=_mean_std([float(r["mean_kl_ratio"]) for r in runs]),
-                within_strict=sum(1 for w in worst if w <= STRICT_LIMIT),
-                within_limit=sum(1 for w in worst if w <= RATIO_LIMIT),
-                reward=statistics.fmean(float(r["final_reward"]) for r in runs),
-                runs=tuple(
-                    (float(r["syncs"]), float(r["max_kl_ratio"]), float(r["mean_kl_ratio"]))
-                    for r in sorted(runs, key=lambda r: r["seed"])
-                ),
-            )
+    out = [
+        Variant(
+            family=family,
+            param=param,
+            label=label,
+            runs=tuple(
+                (float(r["syncs"]), float(r["max_kl_ratio"]), float(r["mean_kl_ratio"]))
+                for r in sorted(runs, key=lambda r: r["seed"])
+            ),
+            reward=statistics.fmean(float(r["final_reward"]) for r in runs),
         )
+        for (family, param, label), runs in groups.items()
+    ]
     return sorted(out, key=lambda v: (FAMILIES.index(v.family), v.param))
 
 
