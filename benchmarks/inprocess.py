@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from rlcommon.config import RunConfig
+from rlcommon.models import formatter_for
 from rlcommon.plan_ids import slot_rollout_id
-from rlcommon.rewards import reward
-from rlcommon.tasks import Problem, TaskSource
+from rlcommon.task import Problem, TaskSource
+from rlcommon.task.rewards import reward
 from rlcommon.wire import Rollout
 
 __all__ = ["generate_rollouts_hf", "run_inprocess"]
@@ -98,7 +99,7 @@ def run_inprocess(cfg: RunConfig, *, steps: int, warmup: int, threads: int) -> d
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     train_step = TrainStep(model, config=cfg.trainer, pad_id=tokenizer.pad_token_id)
-    tasks = TaskSource(cfg.task)
+    tasks = TaskSource(cfg.task, formatter=formatter_for(cfg.model, cfg.task))
     batch_size = cfg.coordinator.batch_size
     sample_s, train_s, sample_cpu_s, train_cpu_s, tokens, rewards = [], [], [], [], 0, []
     measured_from = cpu_from = None

@@ -39,7 +39,7 @@ import numpy as np
 
 from rlcommon.config import ModelConfig, SamplerConfig, SamplingConfig, TaskConfig
 from rlcommon.models.tokenizer import load_tokenizer
-from rlcommon.tasks import TaskSource
+from rlcommon.task import TaskSource
 
 logger = logging.getLogger(__name__)
 

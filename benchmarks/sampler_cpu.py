@@ -67,12 +67,13 @@ def cpu_delta(before: dict[int, float], after: dict[int, float]) -> dict[int, fl
 
 def tasks_of(cfg: RunConfig, model_dir: Any) -> list[Any]:
     """The run's first batch as the coordinator writes it: B tasks of G samples."""
+    from rlcommon.models import formatter_for
     from rlcommon.models.tokenizer import load_tokenizer
-    from rlcommon.tasks import TaskSource
+    from rlcommon.task import TaskSource
     from rlcommon.wire import Task
 
     tokenizer = load_tokenizer(model_dir)
-    source = TaskSource(cfg.task)
+    source = TaskSource(cfg.task, formatter=formatter_for(cfg.model, cfg.task))
     plan = cfg.coordinator
     tasks = []
     for g in range(plan.batch_size):
@@ -168,13 +169,14 @@ def hf_rounds(cfg: RunConfig, model_dir: Any, *, rounds: int, warmup: int) -> di
     from transformers import AutoModelForCausalLM
 
     from benchmarks.inprocess import generate_rollouts_hf
+    from rlcommon.models import formatter_for
     from rlcommon.models.tokenizer import load_tokenizer
-    from rlcommon.tasks import TaskSource
+    from rlcommon.task import TaskSource
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    source = TaskSource(cfg.task)
+    source = TaskSource(cfg.task, formatter=formatter_for(cfg.model, cfg.task))
     problems = [source.problem(g) for g in range(cfg.coordinator.batch_size)]
     for r in range(warmup):
         generate_rollouts_hf(model, tokenizer, problems, cfg, batch_id=r, weight_version=0)

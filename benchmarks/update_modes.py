@@ -139,16 +139,16 @@ def distances(argv: list[str], reference_dirs: list[Path], run_dirs: dict[str, P
     from benchmarks.inprocess import generate_rollouts_hf
     from experiments.kl import build_prefix_batch, kl_to_reference, reference_point
     from launcher.run import parse_args
-    from rlcommon.models import resolve_model
+    from rlcommon.models import formatter_for, resolve_model
     from rlcommon.models.tokenizer import load_tokenizer
-    from rlcommon.tasks import TaskSource
+    from rlcommon.task import TaskSource
 
     cfg, _ = parse_args([*argv, f"--run_dir={reference_dirs[0]}", f"--coordinator.group_size={EVAL_SAMPLES}"])
     torch.manual_seed(0)
     model_dir = resolve_model(cfg.model, cfg.task)
     tokenizer = load_tokenizer(model_dir)
     reference = final_model(model_dir, reference_dirs[0])
-    samples = generate_rollouts_hf(reference, tokenizer, TaskSource(cfg.task).eval_set(), cfg, batch_id=0,
+    samples = generate_rollouts_hf(reference, tokenizer, TaskSource(cfg.task, formatter=formatter_for(cfg.model, cfg.task)).eval_set(), cfg, batch_id=0,
                                    weight_version=0)
     batch = build_prefix_batch([r.prompt_ids for r in samples], [r.response_ids for r in samples],
                                pad_id=tokenizer.pad_token_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from coordinator.evals import EvalView
 from coordinator.planner import BatchCounts, BatchRecord
 from coordinator.samplers import HEALTHY, LOST, UNHEALTHY, SamplerView
 from coordinator.service import StatusView, StepReportView
@@ -19,6 +20,7 @@ __all__ = [
     "batch_plan_pb",
     "counts_pb",
     "status_pb",
+    "eval_pb",
 ]
 
 HEALTH_TO_PB = {HEALTHY: pb.SAMPLER_HEALTHY, UNHEALTHY: pb.SAMPLER_UNHEALTHY, LOST: pb.SAMPLER_LOST}
@@ -57,6 +59,14 @@ def sampler_pb(view: SamplerView) -> pb.SamplerInfo:
         subscribed=view.subscribed,
         num_inflight_tasks=record.num_inflight_tasks,
         num_rollouts=record.num_rollouts,
+    )
+
+
+def eval_pb(view: EvalView) -> pb.EvalEntry:
+    return pb.EvalEntry(
+        weight_version=view.weight_version, eval_set=view.eval_set, step=view.step, reason=view.reason,
+        complete=view.complete, num_problems=view.num_problems, n=view.n, metrics=view.metrics,
+        sampled_versions=list(view.sampled_versions), planned_at=view.planned_at, logged_at=view.logged_at,
     )
 
 

@@ -2,7 +2,8 @@
 
 - `overview`: the coordinator's status, sync history and samplers (read on the coordinator's thread, where
   every RPC reads them), the step series the coordinator keeps in Redis (`coord:steps`, one row per
-  ReportStep: the trainer's statistics), and the newest dead letters with their reasons.
+  ReportStep: the trainer's statistics), the newest dead letters with their reasons, and the evaluations while
+  training (the trainer's records: coordinator/evals.py), a chart per eval set over the versions evaluated.
 - `batches` / `batch`: the ledger's recent batches, and one trained batch's rollouts as the samplers sent them,
   read back from the rollouts stream by the ids the trainer recorded for that batch, with its per-token
   log-ratios (`dlc:<run_id>:tokens`, the last `trainer.dashboard_token_batches` trained batches:
@@ -23,9 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.errors import InvalidArgument
+from coordinator.evals import read_evals
 from coordinator.state import CoordinatorStore
 from rlcommon import step_stats
 from rlcommon.streams import DATA_FIELD, DEADLETTER, ROLLOUTS, TOKENS, stream_key
+from rlcommon.task.evaluation import EVAL_METRICS
 from rlcommon.token_stats import decode_token_stats
 from rlcommon.wire import Rollout, WireError, decode
 
@@ -40,12 +43,16 @@ FETCH_CHUNK = 32
 """Rollout ids asked for per pipelined round trip."""
 MAX_RECORDS_READ = 1000
 """The trainer's records read while looking for one batch's, at most (it keeps trainer.dashboard_token_batches)."""
+MAX_EVAL_ROUNDS = 1000
+"""The newest eval rounds one overview charts."""
+EVAL_CHART = ("avg@n", "pass@1", "pass@n")
+"""The series of each eval set's chart (`avg@n` and `pass@n` spell the run's n)."""
 
 
 def _series(name: str, **derived: str) -> dict[str, str]:
     """One chart series: a step statistic (its meaning and unit from rlcommon.step_stats) or a series the page
     derives (`derived`: `rate` of the statistic `of` per second of report time; `ess_threshold`)."""
-    stat = step_stats.STATS.get(name)
+    stat = step_stats.describe(name)
     return {"name": name, "meaning": stat.meaning if stat else "", "unit": stat.unit if stat else "", **derived}
 
 
@@ -61,6 +68,9 @@ CHARTS: dict[str, list[dict[str, str]]] = {
 }
 """The dashboard's charts (element id -> series, in drawing order): the page reads the statistics' names from
 here (`overview.charts`), so the script spells none."""
+REWARD_COMPONENTS_CHART = "chart-reward-components"
+"""The chart of each reward component's batch mean (`reward/<name>`) and the truncated share: its series are the
+components the steps so far reported (`DashboardData.reward_component_series`)."""
 HEADLINE = {"reward": step_stats.REWARD_MEAN, "lag": step_stats.ESS_LAG}
 """The statistics of the last step the headline shows."""
 
@@ -124,6 +134,8 @@ class DashboardData:
         self.tokenizer = tokenizer
         self.clock = clock
         self.byte_budget = byte_budget
+        self.reward_components: set[str] = set()
+        """The `reward/<name>` statistics the step rows read so far hold."""
 
     # -------------------------------------------------------------------------------------- overview
 
@@ -151,10 +163,18 @@ class DashboardData:
             "samplers": [self._sampler(v, status) for v in status.samplers],
             "syncs": [self._sync(s) for s in syncs],
             "deadletters": {"length": status.deadletter_length, "recent": self.dead_letters()},
+            "evals": self.evals(),
             "steps": {"from": first, "rows": rows},
-            "charts": CHARTS,
+            "charts": {**CHARTS, REWARD_COMPONENTS_CHART: self.reward_component_series(rows)},
             "headline": HEADLINE,
         })
+
+    def reward_component_series(self, rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+        """The reward components chart: `truncated_frac` and every `reward/<name>` statistic of these rows or of
+        those an earlier overview read (a page that asks from row N still gets every component's series)."""
+        self.reward_components.update(name for row in rows for name in row
+                                      if name.startswith(step_stats.REWARD_COMPONENT_PREFIX))
+        return [_series(step_stats.TRUNCATED_FRAC), *(_series(name) for name in sorted(self.reward_components))]
 
     @staticmethod
     def _sampler(view: Any, status: Any) -> dict[str, Any]:
@@ -172,6 +192,20 @@ class DashboardData:
                 "state": s.state, "started_at": s.started_at, "ended_at": ended,
                 "seconds": (ended - s.started_at) if ended else None, "expected": list(s.expected),
                 "acked": list(s.acked), "unhealthy": list(s.unhealthy)}
+
+    def evals(self) -> dict[str, Any]:
+        """Each eval set's chart (`charts`: set -> series, as CHARTS' entries) and points (`points`: set -> one
+        per version evaluated, oldest first: its step, whether it is logged yet, its metrics)."""
+        views, _ = read_evals(self.conn, self.run_id, limit=MAX_EVAL_ROUNDS)
+        charts: dict[str, list[dict[str, str]]] = {}
+        points: dict[str, list[dict[str, Any]]] = {}
+        for view in sorted(views, key=lambda v: (v.eval_set, v.weight_version)):
+            charts[view.eval_set] = [{"name": name.replace("@n", f"@{view.n}"), "meaning": EVAL_METRICS[name],
+                                      "unit": ""} for name in EVAL_CHART]
+            points.setdefault(view.eval_set, []).append({
+                "weight_version": view.weight_version, "step": view.step, "complete": view.complete,
+                "metrics": view.metrics})
+        return {"charts": charts, "points": points}
 
     def dead_letters(self) -> list[dict[str, Any]]:
         key = stream_key(self.run_id, DEADLETTER)

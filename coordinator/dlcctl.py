@@ -5,6 +5,7 @@
     dlcctl syncs [--limit N]         sync history, newest first
     dlcctl plan K                    the plan of batch K (prompt groups, task ids, ledger status)
     dlcctl batches [--status S]      ledger entries (planned / complete / trained)
+    dlcctl eval [--set S]            evaluations while training: avg@n, pass@k... per version and eval set
     dlcctl sync --reason TEXT        request a sync: the trainer's next step report answers publish
 
 Tables for people; `--json` prints the reply as JSON for scripts (field names as in
@@ -293,6 +294,35 @@ def _format_batches(reply: pb.ListBatchesResponse) -> str:
     return f"batches: {_counts_line(reply.counts)}\n\n{table}"
 
 
+def _format_evals(reply: pb.ListEvalsResponse) -> str:
+    if not reply.evals:
+        return "no evaluations (config `eval`: every_versions, at_start, at_end)"
+
+    def metric(e: pb.EvalEntry, name: str, digits: int = 3) -> str:
+        return f"{e.metrics[name]:.{digits}f}" if name in e.metrics and math.isfinite(e.metrics[name]) else "-"
+
+    rows = [
+        (
+            e.weight_version,
+            e.step,
+            e.eval_set,
+            "logged" if e.complete else "sampling",
+            e.num_problems,
+            metric(e, f"avg@{e.n}"),
+            metric(e, "pass@1"),
+            f"{metric(e, f'pass@{e.n}')} (n={e.n})",
+            metric(e, "response_length", 1),
+            metric(e, "truncated_frac"),
+            "-".join(str(v) for v in sorted(set(e.sampled_versions))) or "-",
+            e.reason,
+        )
+        for e in reply.evals
+    ]
+    headers = ("VERSION", "STEP", "SET", "STATUS", "PROBLEMS", "AVG@N", "PASS@1", "PASS@N", "LENGTH", "TRUNCATED",
+               "SAMPLED BY", "REASON")
+    return f"{reply.num_rounds} eval rounds planned\n\n{_table(headers, rows)}"
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -335,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     batches.add_argument("--status", choices=("planned", "complete", "trained"), default=None)
     batches.add_argument("--start", type=int, default=0, help="first batch id")
     batches.add_argument("--limit", type=int, default=100)
+    evals = commands.add_parser("eval", parents=[common], help="evaluations while training, newest version first")
+    evals.add_argument("--set", dest="eval_set", default="", help="only this eval set")
+    evals.add_argument("--limit", type=int, default=100, help="the newest N rounds (default 100)")
     sync = commands.add_parser("sync", parents=[common], help="request a sync at the trainer's next step")
     sync.add_argument("--reason", required=True, help="why (recorded in the sync history)")
     return parser
@@ -375,6 +408,8 @@ def _request(args: argparse.Namespace) -> tuple[str, Message]:
     if command == "batches":
         status = _BATCH_STATUS.get(args.status, pb.BATCH_STATUS_UNSPECIFIED)
         return "ListBatches", pb.ListBatchesRequest(status=status, start_batch_id=args.start, limit=args.limit)
+    if command == "eval":
+        return "ListEvals", pb.ListEvalsRequest(limit=args.limit, eval_set=args.eval_set)
     if command == "sync":
         return "TriggerSync", pb.TriggerSyncRequest(reason=args.reason)
     raise AssertionError(command)  # argparse restricts the choices
@@ -394,6 +429,8 @@ def _format(args: argparse.Namespace, reply: Any, now: float) -> str:
         return _format_plan(reply.plan)
     if command == "batches":
         return _format_batches(reply)
+    if command == "eval":
+        return _format_evals(reply)
     if command == "sync":
         return (
             "sync requested: the trainer's next step report answers publish "

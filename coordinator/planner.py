@@ -495,5 +495,8 @@ def tokenizer_for(model_cfg: Any, task_cfg: Any) -> Any:
 
 
 def encoder_for(model_cfg: Any, task_cfg: Any) -> Callable[[str], Sequence[int]]:
-    """The prompt tokenizer's `encode` (`tokenizer_for`)."""
-    return tokenizer_for(model_cfg, task_cfg).encode
+    """The prompt tokenizer's encoding of the task's prompts (`tokenizer_for`, `rlcommon.models.prompt_encoder`:
+    a chat-formatted prompt gets no special tokens added)."""
+    from rlcommon.models.prompt_format import prompt_encoder
+
+    return prompt_encoder(tokenizer_for(model_cfg, task_cfg), task_cfg)

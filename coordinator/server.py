@@ -67,7 +67,7 @@ STATE_CHANGING_METHODS = frozenset(
 """Methods that need the write token (coordinator.auth_token) when one is configured."""
 READ_METHODS = frozenset(
     f"/{SERVICE_NAME}/{name}"
-    for name in ("GetStatus", "ListSamplers", "ListSyncs", "GetBatchPlan", "ListBatches")
+    for name in ("GetStatus", "ListSamplers", "ListSyncs", "GetBatchPlan", "ListBatches", "ListEvals")
 )
 """Methods that only read: with a token configured they take the write token or the read-only dashboard_token."""
 
@@ -294,6 +294,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.ListBatchesResponse(
             batches=[convert.batch_summary_pb(r) for r in records], counts=convert.counts_pb(counts)
         )
+
+    async def ListEvals(self, request: pb.ListEvalsRequest, context) -> pb.ListEvalsResponse:
+        views, rounds = await self._read(context, request, self._core.evals, request.limit, request.eval_set)
+        return pb.ListEvalsResponse(evals=[convert.eval_pb(v) for v in views], num_rounds=rounds)
 
     async def TriggerSync(self, request: pb.TriggerSyncRequest, context) -> pb.TriggerSyncResponse:
         pending = await self._call(context, self._core.trigger_sync, request.reason)

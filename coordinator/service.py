@@ -34,6 +34,7 @@ from coordinator.errors import (
     non_negative,
     short_text,
 )
+from coordinator.evals import EvalView, check_eval_query, read_evals
 from coordinator.persistence import (
     LOCK_TTL_S,
     RunLock,
@@ -96,10 +97,10 @@ class Coordinator:
         self.clock = clock
         self._conn = conn
         self.store = CoordinatorStore(conn, self.run_id)
-        if task_source is None:
-            from rlcommon.tasks import TaskSource
+        if task_source is None:  # the task in the model's prompt format, rows beyond the prompt budget dropped
+            from rlcommon.models import task_source_for
 
-            task_source = TaskSource(cfg.task)
+            task_source = task_source_for(cfg, encode=encode)
         self._task_source = task_source
         self._encode = encode
         if tasks_producer is None:
@@ -397,6 +398,11 @@ class Coordinator:
     def sync_history(self, limit: int = 20) -> tuple[list[SyncRecord], int]:
         non_negative("limit", limit)
         return self.syncs.history(limit or 20), len(self.syncs)
+
+    def evals(self, limit: int = 100, eval_set: str = "") -> tuple[list[EvalView], int]:
+        """The evaluations the trainer planned and logged (coordinator/evals.py), and the number of rounds."""
+        limit, only = check_eval_query(limit, eval_set)
+        return read_evals(self._conn, self.run_id, limit=limit, eval_set=only)
 
     def sampler_views(self) -> list[SamplerView]:
         return self.samplers.views()

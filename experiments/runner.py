@@ -33,7 +33,7 @@ from coordinator.sync_policy import decide
 from experiments.engines import EnginePool, WeightPublisher
 from experiments.kl import PrefixBatch, ReferenceStore, build_prefix_batch
 from experiments.settings import ONPOLICY, ExperimentPreset, RunSpec
-from rlcommon.rewards import reward
+from rlcommon.models import formatter_for
 from rlcommon.step_stats import (
     DELTA_LAG_MEAN,
     DELTA_LAG_STD,
@@ -47,7 +47,8 @@ from rlcommon.step_stats import (
     REWARD_MEAN,
     STALENESS_STEPS_MAX,
 )
-from rlcommon.tasks import Problem, TaskSource
+from rlcommon.task import Problem, TaskSource
+from rlcommon.task.rewards import reward
 from rlcommon.wire import Rollout, Task
 from sampler_svc.engine import SamplerEngine
 from sampler_svc.rollouts import generate_rollouts, task_seed
@@ -105,7 +106,7 @@ class ExperimentContext:
 
 def build_problems(preset: ExperimentPreset) -> tuple[list[list[Problem]], list[Problem]]:
     """The B problems of every batch (task stream indices (t-1)B .. tB-1) and the evaluation problems."""
-    source = TaskSource(preset.task)
+    source = TaskSource(preset.task, formatter=formatter_for(preset.model, preset.task))
     batches = [
         [source.problem((step - 1) * preset.batch_size + g) for g in range(preset.batch_size)]
         for step in range(1, preset.steps + 1)

@@ -13,6 +13,7 @@ import launcher
 from launcher.lifecycle import RunDirInUseError, RunDirLock
 from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
 from rlcommon.config import ConfigError, RunConfig, load_config
+from rlcommon.task.rewards import check_reward_config
 
 __all__ = ["early_exit", "parse_args"]
 
@@ -31,6 +32,9 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     args, rest = parser.parse_known_args(argv)
     paths = args.config or [str(launcher.REPO / "configs/default.toml")]
     cfg = load_config(RunConfig, paths, rest)
+    # A reward function that cannot be imported, or a column it needs that the data lacks: refused here, before
+    # the stack starts (each sampler checks again where it runs).
+    check_reward_config(cfg.reward, cfg.task)
     if args.fresh:
         cfg.run_dir = str(fresh_run_dir(cfg.run_dir))
     if cfg.coordinator.total_batches is None:

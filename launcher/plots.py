@@ -1,4 +1,5 @@
-"""PNG plots of a run: reward, ess_lag (with the 0.5 line and sync markers), staleness, response length."""
+"""PNG plots of a run: reward, ess_lag (with the 0.5 line and sync markers), staleness, response length, and
+with evaluation while training, eval.png: each eval set's avg@n and pass@k over the versions evaluated."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rlcommon.step_stats import (
     STALENESS_MEAN,
     STALENESS_STEPS_MAX,
 )
+from rlcommon.task.evaluation import EVAL_VERSION_KEY, is_eval_row, metric_key
 
 MARGINS = {"left": 0.1, "right": 0.97, "bottom": 0.14, "top": 0.9}
 """Fixed margins of every plot (matplotlib's tight_layout drew each figure an extra time: half of the drawing)."""
@@ -74,7 +76,35 @@ def plot_run(
            [(STALENESS_MEAN, "mean (versions)"), (STALENESS_MAX, "max (versions)"),
             (STALENESS_STEPS_MAX, "max (trainer steps)")])
     figure("response_length", "Mean response length", "tokens", [(RESPONSE_LENGTH_MEAN, "response length")])
+    evals = [row for row in rows if is_eval_row(row)]
+    if evals:
+        written.append(_eval_figure(plt, evals, out / "eval.png"))
     return written
+
+
+def _eval_figure(plt: Any, evals: list[dict[str, Any]], path: Path) -> Path:
+    """avg@n, pass@1 and pass@n of every eval set (one colour per set, one line style per metric) by version."""
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    for index, name in enumerate(sorted({row["eval_set"] for row in evals})):
+        rows = sorted((r for r in evals if r["eval_set"] == name), key=lambda r: r[EVAL_VERSION_KEY])
+        prefix = metric_key(name, "")
+        n = next((k[len(prefix) + 4:] for k in rows[0] if k.startswith(f"{prefix}avg@")), "1")
+        for metric, style in ((f"avg@{n}", "-"), ("pass@1", "--"), (f"pass@{n}", ":")):
+            points = [(r[EVAL_VERSION_KEY], r[prefix + metric]) for r in rows
+                      if isinstance(r.get(prefix + metric), int | float)]
+            if points:
+                ax.plot(*zip(*points, strict=True), linestyle=style, marker="o", markersize=3, color=f"C{index}",
+                        label=f"{name} {metric}")
+    ax.set_title("Evaluation while training")
+    ax.set_xlabel("weight version")
+    ax.set_ylabel("score")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.subplots_adjust(**MARGINS)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _pyplot():

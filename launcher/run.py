@@ -22,6 +22,7 @@ from rlcommon.coordinator_api import Coordinator
 from rlcommon.logs import process_started_monotonic
 from rlcommon.metrics import JsonlFollower, read_jsonl
 from rlcommon.step_stats import ESS_LAG, REWARD_MEAN
+from rlcommon.task.evaluation import EVAL_VERSION_KEY, is_eval_row, metric_key
 
 logger = logging.getLogger("launcher")
 POLL_S = 0.5
@@ -37,6 +38,8 @@ def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: di
         values = [r[REWARD_MEAN] for r in chunk if isinstance(r.get(REWARD_MEAN), int | float)]
         return sum(values) / len(values) if values else None
 
+    evals = [r for r in rows if is_eval_row(r)]
+    rows = [r for r in rows if not is_eval_row(r)]
     return {
         "method": cfg.trainer.method,
         "sync_policy": cfg.coordinator.sync_policy,
@@ -53,6 +56,7 @@ def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: di
         "restarts": dict(restarts or {}),
         "wall_seconds": coordinator.get("wall_seconds"),
         "first_step_seconds": coordinator.get("first_step_seconds"),
+        "evals": [{"weight_version": r[EVAL_VERSION_KEY], "eval_set": r["eval_set"], **eval_metrics(r)} for r in evals],
     }
 
 
@@ -101,6 +105,8 @@ class Progress:
         """Seconds from the launcher's start to the first step trained after it (rows carry their wall time;
         a resumed run's older rows do not count)."""
         self.seen = 0
+        self.steps = 0
+        """Step rows seen (metrics.jsonl's eval rows, one per version and eval set, are not steps)."""
         self.syncs = 0
         self.bar = None
         if bar:
@@ -111,11 +117,15 @@ class Progress:
     def update(self) -> list[dict[str, Any]]:
         rows = self._follower.rows()  # only what was appended since the last poll
         if self.first_step_s is None:
-            times = [row["time"] for row in rows if row.get("time", 0.0) >= self.started_at]
+            times = [row["time"] for row in rows if row.get("time", 0.0) >= self.started_at and not is_eval_row(row)]
             if times:
                 self.first_step_s = times[0] - self.started_at
                 self.write(f"first step trained {self.first_step_s:.1f} s after the start")
         for row in rows[max(self.seen, rows.first_kept):]:
+            if is_eval_row(row):
+                self.write(eval_line(row))
+                continue
+            self.steps += 1
             self.syncs += 1 if row.get("publish") else 0
             fields = {
                 "reward": f"{row.get('reward_mean', float('nan')):.3f}",
@@ -141,6 +151,19 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def eval_metrics(row: dict[str, Any]) -> dict[str, Any]:
+    """An eval row's metrics by name (`avg@4`, `pass@1`, `reward/<name>`, ...: without `eval/<set>/`)."""
+    prefix = metric_key(row["eval_set"], "")
+    return {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
+
+
+def eval_line(row: dict[str, Any]) -> str:
+    """One line of the progress output for an eval row: the version, the set and its avg@n / pass@k."""
+    metrics = " ".join(f"{k}={v:.3f}" for k, v in eval_metrics(row).items()
+                       if k.startswith(("avg@", "pass@")) and isinstance(v, float))
+    return f"eval of version {row[EVAL_VERSION_KEY]} ({row['eval_set']}): {metrics}"
 
 
 def run(
@@ -183,10 +206,10 @@ def run(
             stopped = stack.restart_exited(max_restarts=cfg.max_restarts, report=progress.write)
             if stopped == ["trainer"]:
                 rows = progress.update()  # its last rows may have landed after the read above
-                if len(rows) >= cfg.steps:
+                if progress.steps >= cfg.steps:
                     break
             if stopped:
-                raise service_died(stack.processes[stopped[0]], 0, f" with {len(rows)} of {cfg.steps} steps "
+                raise service_died(stack.processes[stopped[0]], 0, f" with {progress.steps} of {cfg.steps} steps "
                                    "trained; a clean exit is not restarted (compose's `restart: on-failure`)")
             stack.wait_exited("trainer", POLL_S)  # a poll every POLL_S, and at once when the trainer is done
         stack.timeline("trainer done (exited)")

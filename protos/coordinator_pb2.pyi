@@ -510,3 +510,52 @@ class TriggerSyncResponse(_message.Message):
     PENDING_REASONS_FIELD_NUMBER: _ClassVar[int]
     pending_reasons: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, pending_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListEvalsRequest(_message.Message):
+    __slots__ = ("limit", "eval_set")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SET_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    eval_set: str
+    def __init__(self, limit: _Optional[int] = ..., eval_set: _Optional[str] = ...) -> None: ...
+
+class EvalEntry(_message.Message):
+    __slots__ = ("weight_version", "eval_set", "step", "reason", "complete", "num_problems", "n", "metrics", "sampled_versions", "planned_at", "logged_at")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SET_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_AT_FIELD_NUMBER: _ClassVar[int]
+    LOGGED_AT_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    eval_set: str
+    step: int
+    reason: str
+    complete: bool
+    num_problems: int
+    n: int
+    metrics: _containers.ScalarMap[str, float]
+    sampled_versions: _containers.RepeatedScalarFieldContainer[int]
+    planned_at: float
+    logged_at: float
+    def __init__(self, weight_version: _Optional[int] = ..., eval_set: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., complete: _Optional[bool] = ..., num_problems: _Optional[int] = ..., n: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., sampled_versions: _Optional[_Iterable[int]] = ..., planned_at: _Optional[float] = ..., logged_at: _Optional[float] = ...) -> None: ...
+
+class ListEvalsResponse(_message.Message):
+    __slots__ = ("evals", "num_rounds")
+    EVALS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    evals: _containers.RepeatedCompositeFieldContainer[EvalEntry]
+    num_rounds: int
+    def __init__(self, evals: _Optional[_Iterable[_Union[EvalEntry, _Mapping]]] = ..., num_rounds: _Optional[int] = ...) -> None: ...

@@ -105,6 +105,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.TriggerSyncRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.TriggerSyncResponse.FromString,
                 _registered_method=True)
+        self.ListEvals = channel.unary_unary(
+                '/dlc.coordinator.v1.Coordinator/ListEvals',
+                request_serializer=protos_dot_coordinator__pb2.ListEvalsRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.ListEvalsResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -232,6 +237,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEvals(self, request, context):
+        """Anyone: the evaluations while training (config `eval`), newest version first: one entry per (version, eval
+        set) of every round the trainer planned, with its metrics once every problem of the set is scored. The
+        trainer records them in Redis (trainer_svc/evaluation.py); this reads them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -304,6 +318,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.TriggerSync,
                     request_deserializer=protos_dot_coordinator__pb2.TriggerSyncRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.TriggerSyncResponse.SerializeToString,
+            ),
+            'ListEvals': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEvals,
+                    request_deserializer=protos_dot_coordinator__pb2.ListEvalsRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.ListEvalsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -685,6 +704,33 @@ class Coordinator:
             '/dlc.coordinator.v1.Coordinator/TriggerSync',
             protos_dot_coordinator__pb2.TriggerSyncRequest.SerializeToString,
             protos_dot_coordinator__pb2.TriggerSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEvals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlc.coordinator.v1.Coordinator/ListEvals',
+            protos_dot_coordinator__pb2.ListEvalsRequest.SerializeToString,
+            protos_dot_coordinator__pb2.ListEvalsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,8 +2,8 @@
 
 | user | keys | may write |
 |---|---|---|
-| `sampler` | tasks, rollouts, deadletter (and their `:counts`) | XADD rollouts and dead letters; XACK/XCLAIM tasks |
-| `trainer` | rollouts, deadletter (and their `:counts`), tokens | XACK/XCLAIM/XTRIM rollouts, their group; XADD dead letters; XADD tokens (dashboard) |
+| `sampler` | tasks, rollouts, deadletter, evals, eval_results (and their `:counts`) | XADD rollouts, eval results and dead letters; XACK/XCLAIM tasks and evals |
+| `trainer` | rollouts, deadletter, evals, eval_results (and their `:counts`), tokens, eval_rounds, eval_rows | XACK/XCLAIM/XTRIM rollouts and eval results, their groups; XADD/XTRIM evals and the samplers' group on it; XADD dead letters; XADD tokens (dashboard); HSET the eval rounds and rows |
 | `coordinator` | every key of the run, `dlc:<run_id>:*` | its state (`coord:*`); XADD/XTRIM tasks, the samplers' group |
 
 No user may run Lua, and samplers may neither trim a stream (they could drop rollouts the trainer has not
@@ -27,7 +27,20 @@ run id and the passwords' hashes.
 
 from __future__ import annotations
 
-from rlcommon.streams import DEADLETTER, ROLLOUTS, TASKS, TOKENS, counts_key, run_keys_pattern, stream_key
+from rlcommon.streams import (
+    DEADLETTER,
+    EVAL_RESULTS,
+    EVAL_ROUNDS,
+    EVAL_ROWS,
+    EVALS,
+    ROLLOUTS,
+    TASKS,
+    TOKENS,
+    counts_key,
+    run_key,
+    run_keys_pattern,
+    stream_key,
+)
 
 __all__ = ["ADMIN_USER", "SERVICE_USERS", "TEMPLATE_RUN_ID", "acl_file_template", "acl_rules", "default_user_rules",
            "service_users"]
@@ -67,15 +80,19 @@ def acl_rules(user: str, run_id: str) -> list[str]:
     """ACL rules of service `user` for run `run_id`, one token each (ACL SETUSER syntax, without `on` and
     the password)."""
     tasks, rollouts, deadletter = (stream_key(run_id, name) for name in (TASKS, ROLLOUTS, DEADLETTER))
-    if user == "sampler":  # consumes tasks (the coordinator creates their group), produces rollouts (backpressure)
-        keys = _stream_keys(run_id, TASKS, ROLLOUTS, DEADLETTER)
+    evals, eval_results = (stream_key(run_id, name) for name in (EVALS, EVAL_RESULTS))
+    if user == "sampler":  # consumes tasks and eval tasks (others create their groups), produces rollouts and results
+        keys = _stream_keys(run_id, TASKS, ROLLOUTS, DEADLETTER, EVALS, EVAL_RESULTS)
         commands = [*_CONSUMER, *_DEPTH, *_WATCH, f"+xack|{tasks}", f"+xclaim|{tasks}", f"+xadd|{rollouts}",
-                    f"+xadd|{deadletter}"]
-    elif user == "trainer":  # consumes and trims rollouts; keeps the last batches' per-token statistics (dashboard)
+                    f"+xadd|{deadletter}", f"+xack|{evals}", f"+xclaim|{evals}", f"+xadd|{eval_results}"]
+    elif user == "trainer":  # consumes and trims rollouts; keeps the last batches' per-token statistics (dashboard);
+        # plans eval rounds (eval tasks, the samplers' group on them) and reads, trims and records their results
         tokens = stream_key(run_id, TOKENS)
-        keys = [*_stream_keys(run_id, ROLLOUTS, DEADLETTER), f"~{tokens}"]
+        keys = [*_stream_keys(run_id, ROLLOUTS, DEADLETTER, EVALS, EVAL_RESULTS), f"~{tokens}",
+                *(f"~{run_key(run_id, name)}" for name in (EVAL_ROUNDS, EVAL_ROWS))]
         commands = [*_CONSUMER, *_CREATE_GROUP, *_DEPTH, *_WATCH, f"+xack|{rollouts}", f"+xclaim|{rollouts}",
-                    f"+xtrim|{rollouts}", f"+xadd|{deadletter}", f"+xadd|{tokens}"]
+                    f"+xtrim|{rollouts}", f"+xadd|{deadletter}", f"+xadd|{tokens}", f"+xadd|{evals}",
+                    f"+xtrim|{evals}", f"+xack|{eval_results}", f"+xclaim|{eval_results}", f"+xtrim|{eval_results}"]
     elif user == "coordinator":  # its state (coordinator/state.py), produces tasks (and their group), reads depths
         keys = [f"~{run_keys_pattern(run_id)}"]
         commands = [*_DEPTH, *_WATCH, *_CREATE_GROUP, "+ping", "+get", "+set", "+del", "+pexpire", "+pttl", "+hdel",

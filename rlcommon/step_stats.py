@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["STATS", "Stat"]
+__all__ = ["STATS", "STAT_FAMILIES", "Stat", "describe", "reward_component_stat"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ PPO_CLIP_FRAC, RATIO_CLIP_FRAC, MIS_MASKED_FRAC, M2PO_KEPT_FRAC = (
     "ppo_clip_frac", "ratio_clip_frac", "mis_masked_frac", "m2po_kept_frac")
 # ------------------------------------------------------------------ the batch and the update (trainer_svc/step.py)
 REWARD_MEAN, REWARD_STD = "reward_mean", "reward_std"
+TRUNCATED_FRAC = "truncated_frac"
+REWARD_FAILURES = "reward_failures"
+REWARD_COMPONENT_PREFIX = "reward/"
 RESPONSE_LENGTH_MEAN = "response_length_mean"
 STALENESS_MEAN, STALENESS_MAX = "staleness_mean", "staleness_max"
 STALENESS_STEPS_MAX = "staleness_steps_max"
@@ -69,6 +72,10 @@ STATS: dict[str, Stat] = {s.name: s for s in [
     Stat(M2PO_KEPT_FRAC, "share of tokens M2PO kept (m2po)", "fraction", _CORRECTIONS),
     Stat(REWARD_MEAN, "mean reward of the batch's rollouts", "reward", _STEP),
     Stat(REWARD_STD, "standard deviation of the rewards", "reward", _STEP),
+    Stat(TRUNCATED_FRAC, "share of the batch's responses cut at sampling.max_tokens (finish_reason 'length'); "
+         "trainer.truncation says what the step did with them", "fraction", _STEP),
+    Stat(REWARD_FAILURES, "reward component calls of the batch's responses that failed (raised, hung, returned a "
+         "non-number or NaN) and scored 0 (sampler_svc/reward_runner.py)", "calls", _STEP),
     Stat(RESPONSE_LENGTH_MEAN, "mean response length", "tokens", _STEP),
     Stat(STALENESS_MEAN, "mean over the batch's response tokens of trainer version - the version that sampled "
          "the token", "versions", _STEP),
@@ -91,3 +98,23 @@ STATS: dict[str, Stat] = {s.name: s for s in [
     Stat(STEP_TIME_S, "wall time of the step (its forwards, backward and update)", "s", _STEP),
     Stat(WEIGHT_VERSION, "the version the trainer's weights descend from", "version", _STEP),
 ]}
+
+STAT_FAMILIES: dict[str, Stat] = {
+    REWARD_COMPONENT_PREFIX: Stat(REWARD_COMPONENT_PREFIX + "<component>", "batch mean of a reward component's "
+                                  "unweighted value (reward.components; a failed call and a rollout without it "
+                                  "count 0)", "reward", _STEP),
+}
+"""Statistics whose names are made at run time, by prefix: `reward/<component>` for each reward component."""
+
+
+def reward_component_stat(component: str) -> str:
+    """The step statistic of reward component `component` (a name of Rollout.reward_components)."""
+    return REWARD_COMPONENT_PREFIX + component
+
+
+def describe(name: str) -> Stat | None:
+    """The Stat of a statistic's name: one of STATS, or of a family of STAT_FAMILIES by its prefix."""
+    stat = STATS.get(name)
+    if stat is not None:
+        return stat
+    return next((family for prefix, family in STAT_FAMILIES.items() if name.startswith(prefix)), None)

@@ -6,6 +6,10 @@
 | `ROLLOUTS` | `dlc:<run>:rollouts` | samplers | trainer (group `trainer`); the dashboard reads the entries a batch was trained on |
 | `DEADLETTER` | `dlc:<run>:deadletter` | whoever refuses a message (field `reason`) | coordinator, dashboard, launcher (its length) |
 | `TOKENS` | `dlc:<run>:tokens` | trainer (per-token statistics of its last batches) | dashboard |
+| `EVALS` | `dlc:<run>:evals` | trainer (eval tasks of the versions it evaluates) | samplers (group `samplers`) |
+| `EVAL_RESULTS` | `dlc:<run>:eval_results` | samplers (one result per eval task) | trainer (group `trainer`) |
+| `EVAL_ROUNDS` | hash `dlc:<run>:eval_rounds`: version -> the round planned (JSON) | trainer | trainer, coordinator, dashboard |
+| `EVAL_ROWS` | hash `dlc:<run>:eval_rows`: `<version>/<set>` -> its metrics row (JSON) | trainer | trainer, coordinator, dashboard |
 | `<stream>:counts` | hash beside a stream | its producer and consumer (entries added / acked) | queue depths |
 | `coord:<name>` | `dlc:<run>:coord:<name>` | coordinator (coordinator/state.py) | coordinator |
 
@@ -21,6 +25,12 @@ import re
 __all__ = [
     "DATA_FIELD",
     "DEADLETTER",
+    "EVALS",
+    "EVALS_GROUP",
+    "EVAL_RESULTS",
+    "EVAL_RESULTS_GROUP",
+    "EVAL_ROUNDS",
+    "EVAL_ROWS",
     "OWNED_GROUPS",
     "ROLLOUTS",
     "ROLLOUTS_GROUP",
@@ -29,6 +39,7 @@ __all__ = [
     "TOKENS",
     "coord_key",
     "counts_key",
+    "run_key",
     "run_keys_pattern",
     "stream_key",
 ]
@@ -37,6 +48,10 @@ TASKS = "tasks"
 ROLLOUTS = "rollouts"
 DEADLETTER = "deadletter"
 TOKENS = "tokens"
+EVALS = "evals"
+EVAL_RESULTS = "eval_results"
+EVAL_ROUNDS = "eval_rounds"
+EVAL_ROWS = "eval_rows"
 
 DATA_FIELD = b"d"
 """The field of a stream entry that holds the message."""
@@ -44,7 +59,12 @@ TASKS_GROUP = "samplers"
 """The samplers' consumer group on the tasks stream."""
 ROLLOUTS_GROUP = "trainer"
 """The trainer's consumer group on the rollouts stream."""
-OWNED_GROUPS: dict[str, str] = {TASKS: TASKS_GROUP, ROLLOUTS: ROLLOUTS_GROUP}
+EVALS_GROUP = "samplers"
+"""The samplers' consumer group on the evals stream (the trainer creates it)."""
+EVAL_RESULTS_GROUP = "trainer"
+"""The trainer's consumer group on the eval results stream."""
+OWNED_GROUPS: dict[str, str] = {TASKS: TASKS_GROUP, ROLLOUTS: ROLLOUTS_GROUP, EVALS: EVALS_GROUP,
+                                EVAL_RESULTS: EVAL_RESULTS_GROUP}
 """Stream name -> the project's own consumer group on it: the only group a producer's backpressure
 (queue_depth) and trimming wait for. Any other group on the stream is foreign and ignored."""
 
@@ -60,6 +80,11 @@ def _check(label: str, value: str) -> str:
 def stream_key(run_id: str, name: str) -> str:
     """The key of stream `name` (TASKS, ROLLOUTS, DEADLETTER, TOKENS; tests use names of their own) of a run."""
     return f"dlc:{_check('run_id', run_id)}:{_check('stream name', name)}"
+
+
+def run_key(run_id: str, name: str) -> str:
+    """The key of a run's hash `name` (EVAL_ROUNDS, EVAL_ROWS)."""
+    return stream_key(run_id, name)
 
 
 def counts_key(stream: str) -> str:

@@ -12,10 +12,10 @@ inconsistent arrays, out-of-range ids or logprobs). The bus dead-letters a messa
 A crafted message costs little memory before it is refused: `decode` first walks the top-level map without
 building anything (`_top_level_spans`): every key must be a known field, none twice, and each value may nest
 and hold no more than its field allows (a scalar: no container; an array map: 3 entries, one level below;
-payload, timings: MAX_DICT_ITEMS scalars; sample_indices: MAX_SAMPLE_INDICES ints) and take no more bytes than
-its largest legal value (`field_max_bytes`: array data from the limits' token counts). Then the schema version,
-the type and the required fields; only then are the values read. A test bounds decode's peak memory on
-refused messages by the message's size.
+payload, timings: MAX_DICT_ITEMS scalars; reward_components: MAX_REWARD_COMPONENTS; sample_indices:
+MAX_SAMPLE_INDICES ints) and take no more bytes than its largest legal value (`field_max_bytes`: array data from
+the limits' token counts). Then the schema version, the type and the required fields; only then are the values
+read. A test bounds decode's peak memory on refused messages by the message's size.
 
 Validation rules beyond types (see `validate`):
 - prompt_ids: 1..limits.max_prompt_tokens tokens; response_ids: 1..limits.max_response_tokens tokens;
@@ -31,6 +31,9 @@ Validation rules beyond types (see `validate`):
   characters.
 - a Task's optional `sample_indices` (a msgpack list; absent or empty = all G) ascends strictly, every
   index is < group_size, and it holds at most MAX_SAMPLE_INDICES entries.
+- a Rollout's optional `reward_components` (each reward component's unweighted value by name, as `timings`: a
+  map of finite floats): at most MAX_REWARD_COMPONENTS entries, names of 1..MAX_COMPONENT_KEY_CHARS characters
+  (the trainer logs each as the step statistic `reward/<name>`, which the coordinator takes up to 128).
 - a Rollout's optional `version_runs` (a msgpack list of (token index, version) pairs, flat; absent or empty =
   every token by weight_version): at most MAX_VERSION_CHANGES pairs, token indices ascending strictly in
   [1, response length), versions ascending strictly above weight_version.
@@ -78,6 +81,10 @@ MAX_TEXT_CHARS = 65_536
 """Longest accepted free-text string (payload values, paths, reasons)."""
 MAX_DICT_ITEMS = 256
 """Most entries in `payload` / `timings`."""
+MAX_REWARD_COMPONENTS = 64
+"""Most entries in a Rollout's `reward_components`."""
+MAX_COMPONENT_KEY_CHARS = 121
+"""Longest name in `reward_components`: `reward/<name>` is a step statistic of at most 128 characters."""
 MAX_SAMPLE_INDICES = 65_536
 """Most entries in a Task's `sample_indices`."""
 MAX_VERSION_CHANGES = 64
@@ -144,6 +151,9 @@ class Rollout:
     """Where the weights changed inside the response, flat: (first token index, version) of each run after the
     first, `(t1, v1, t2, v2, ...)`: tokens t1.. by version v1, t2.. by v2; empty = every token by weight_version.
     Indices ascend strictly within the response, versions ascend strictly above weight_version (the oldest)."""
+    reward_components: dict[str, float] = field(default_factory=dict)
+    """Each reward component's unweighted value by name (rlcommon/task/rewards.py; `reward` is their weighted sum;
+    a component that failed is 0 here and counted in `timings["reward_failures"]`); empty: not sent."""
 
     def runs(self) -> tuple[tuple[int, int], ...]:
         """(first token index, version) of every run of tokens one version sampled, in token order: (0,
@@ -167,8 +177,8 @@ class Rollout:
 Message = Task | Rollout
 
 # Field kinds: "id" (short non-empty str), "uint" (int >= 0), "top_k" (int >= -1),
-# "float" (finite), "i4"/"f4" + ndim (arrays), "payload", "timings", "uints" (a list of uint), "runs" (a list of
-# uint, 2 a version change).
+# "float" (finite), "i4"/"f4" + ndim (arrays), "payload", "timings", "components" (timings with fewer, shorter
+# keys), "uints" (a list of uint), "runs" (a list of uint, 2 a version change).
 _FIELDS: dict[type, dict[str, tuple[str, int]]] = {
     Task: {
         "task_id": ("id", 0),
@@ -198,9 +208,11 @@ _FIELDS: dict[type, dict[str, tuple[str, int]]] = {
         "top_k": ("top_k", 0),
         "timings": ("timings", 0),
         "version_runs": ("runs", 0),
+        "reward_components": ("components", 0),
     },
 }
-_OPTIONAL: dict[type, dict[str, Any]] = {Task: {"sample_indices": ()}, Rollout: {"version_runs": ()}}
+_OPTIONAL: dict[type, dict[str, Any]] = {Task: {"sample_indices": ()},
+                                         Rollout: {"version_runs": (), "reward_components": {}}}
 """Fields that may be absent (-> this default) and are not sent when they hold it."""
 _TYPE_TAGS: dict[type, str] = {Task: "task", Rollout: "rollout"}
 _TAG_TYPES: dict[str, type] = {tag: cls for cls, tag in _TYPE_TAGS.items()}
@@ -212,7 +224,8 @@ for _spec in _FIELDS.values():
         assert _TOP_KINDS.setdefault(_name, _kind) == _kind, f"field {_name} has two kinds"
 _NESTING: dict[str, tuple[int, int]] = {  # kind -> (container levels in the value, most entries per container)
     "<i4": (2, len(_ARRAY_KEYS)), "<f4": (2, len(_ARRAY_KEYS)),  # {dtype, shape: [dims], data}
-    "payload": (1, MAX_DICT_ITEMS), "timings": (1, MAX_DICT_ITEMS), "uints": (1, MAX_SAMPLE_INDICES),
+    "payload": (1, MAX_DICT_ITEMS), "timings": (1, MAX_DICT_ITEMS), "components": (1, MAX_REWARD_COMPONENTS),
+    "uints": (1, MAX_SAMPLE_INDICES),
     "runs": (1, 2 * MAX_VERSION_CHANGES),
 }  # fmt: skip
 _MAX_ELEMENTS: dict[str, Any] = {  # array field -> its most elements under the limits
@@ -240,6 +253,8 @@ def field_max_bytes(name: str, limits: WireLimits) -> int:
         return _STR_MAX_BYTES
     if kind == "timings":
         return 5 + MAX_DICT_ITEMS * (_STR_MAX_BYTES + _SCALAR_MAX_BYTES)
+    if kind == "components":
+        return 5 + MAX_REWARD_COMPONENTS * (5 + 4 * MAX_COMPONENT_KEY_CHARS + _SCALAR_MAX_BYTES)
     if kind == "payload":
         return 5 + MAX_DICT_ITEMS * (_STR_MAX_BYTES + _TEXT_MAX_BYTES)
     if kind == "uints":
@@ -310,7 +325,7 @@ def _encode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
     for key, item in value.items():
         if not isinstance(key, str):
             raise WireError(name, f"keys must be str, got {type(key).__name__}")
-        if kind == "timings":
+        if kind in ("timings", "components"):
             out[key] = _encode_field(f"{name}.{key}", item, "float", 0)
         elif isinstance(item, str):
             out[key] = item
@@ -698,13 +713,15 @@ def _decode_field(name: str, value: Any, kind: str, ndim: int) -> Any:
         return tuple(_check_int(name, item, low=0) for item in value)
     if not isinstance(value, dict):
         raise WireError(name, f"expected a map, got {type(value).__name__}")
-    if len(value) > MAX_DICT_ITEMS:
-        raise WireError(name, f"{len(value)} entries exceeds {MAX_DICT_ITEMS}")
+    most_items, key_chars = (MAX_REWARD_COMPONENTS, MAX_COMPONENT_KEY_CHARS) if kind == "components" else \
+        (MAX_DICT_ITEMS, MAX_ID_CHARS)
+    if len(value) > most_items:
+        raise WireError(name, f"{len(value)} entries exceeds {most_items}")
     out: dict[str, Any] = {}
     for key, item in value.items():
-        key = _check_str(f"{name} key", key, min_chars=1, max_chars=MAX_ID_CHARS)
+        key = _check_str(f"{name} key", key, min_chars=1, max_chars=key_chars)
         where = f"{name}.{key}"
-        if kind == "timings":
+        if kind in ("timings", "components"):
             out[key] = _check_float(where, item)
         elif isinstance(item, str):
             out[key] = _check_str(where, item, min_chars=0, max_chars=MAX_TEXT_CHARS)

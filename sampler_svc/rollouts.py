@@ -1,7 +1,9 @@
 """Where a rollout is made: one Task in, G samples from the engine, one wire `Rollout` per sample.
 
-Each rollout carries exactly the engine's tokens and processed logprobs, the reward of the task's
-reward function on the decoded response, and the weight version that generated every one of its tokens.
+Each rollout carries exactly the engine's tokens and processed logprobs, the reward of the decoded response
+(`reward.components`, or the task kind's default; scored by the sampler's RewardRunner, off the event loop:
+sampler_svc/reward_runner.py) with each component's value, and the weight version that generated every one of
+its tokens.
 The request seed derives from the sampler's base seed and the task id, so a redelivered task is sampled
 with the same seeds, and `rlcommon.plan_ids.rollout_id` names the slot (task, sample index): the trainer
 keeps one rollout per slot however often a task is redelivered or re-issued. A re-issued task (`Task.sample_indices`) asks
@@ -15,19 +17,22 @@ import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rlcommon.config import WireLimits
+from rlcommon.config import RewardComponent, WireLimits
 from rlcommon.plan_ids import rollout_id
-from rlcommon.rewards import reward
+from rlcommon.task.problem import extras_of
+from rlcommon.task.rewards import ResponseInfo, score
 from rlcommon.wire import Rollout, Task, validate
+from sampler_svc.reward_runner import RewardRunner, Scored, ScoreRequest
 
 if TYPE_CHECKING:
     from sampler_svc.engine import Sample, SamplerEngine
 
-__all__ = ["build_rollouts", "generate_rollouts", "task_seed"]
+__all__ = ["build_rollouts", "generate_rollouts", "score_inline", "score_requests", "task_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,29 @@ def _payload_str(task: Task, key: str) -> str:
     return str(value)
 
 
+def score_requests(task: Task, samples: Sequence[Sample], *, max_tokens: int) -> list[ScoreRequest]:
+    """What the reward scores for each sample of `task`; ValueError when the payload lacks `kind`/`answer`."""
+    kind, answer = _payload_str(task, "kind"), _payload_str(task, "answer")
+    try:
+        extras = extras_of(task.payload)
+    except ValueError as err:
+        raise ValueError(f"task {task.task_id}: {err}") from None
+    return [ScoreRequest(kind=kind, response=sample.text, answer=answer, extras=extras,
+                         info=ResponseInfo(num_tokens=len(sample.response_ids), max_tokens=max_tokens,
+                                           truncated=sample.finish_reason == "length"))
+            for sample in samples]
+
+
+def score_inline(requests: Sequence[ScoreRequest],
+                 components: Sequence[RewardComponent] | None = None) -> list[Scored]:
+    """The pure path (tests, tools): `rlcommon.task.rewards.score` in this thread; raises on a failing component."""
+    scored = []
+    for r in requests:
+        total, values = score(components, r.kind, r.response, r.answer, r.extras, r.info)
+        scored.append(Scored(total=total, components=values))
+    return scored
+
+
 def build_rollouts(
     task: Task,
     samples: list[Sample],
@@ -57,18 +85,24 @@ def build_rollouts(
     top_p: float,
     top_k: int,
     limits: WireLimits | None = None,
+    scored: Sequence[Scored] | None = None,
+    reward_s: float | None = None,
+    max_tokens: int = 0,
 ) -> list[Rollout]:
-    """One validated wire Rollout per sample of `task`, with the reward of the task's payload.
+    """One validated wire Rollout per sample of `task`, with its reward and components: `scored` (one per
+    sample, by the RewardRunner, which took `reward_s`), or scored here with the task kind's default reward.
 
     Raises ValueError when the payload lacks `kind`/`answer` or names an unknown reward kind, and
     `rlcommon.wire.WireError` when a rollout would not pass the bus's validation.
     """
-    kind, answer = _payload_str(task, "kind"), _payload_str(task, "answer")
+    if scored is None:
+        started = time.perf_counter()
+        scored = score_inline(score_requests(task, samples, max_tokens=max_tokens))
+        reward_s = time.perf_counter() - started
+    assert len(scored) == len(samples), (len(scored), len(samples))
     prompt_ids = np.asarray(task.prompt_ids, dtype=np.int32)
     rollouts = []
-    for sample in samples:
-        started = time.perf_counter()
-        score = reward(kind, sample.text, answer)
+    for sample, result in zip(samples, scored, strict=True):
         rollout = Rollout(
             rollout_id=rollout_id(task.task_id, sample.sample_index),
             batch_id=task.batch_id,
@@ -81,7 +115,7 @@ def build_rollouts(
             sampler_logprobs=sample.sampler_logprobs,
             topk_ids=sample.topk_ids,
             topk_logprobs=sample.topk_logprobs,
-            reward=float(score),
+            reward=float(result.total),
             finish_reason=sample.finish_reason,
             temperature=temperature,
             top_p=top_p,
@@ -91,9 +125,11 @@ def build_rollouts(
                 "queue_s": sample.queue_s,
                 "generate_s": sample.generate_s,
                 **({"reissues": float(sample.reissues)} if sample.reissues else {}),
-                "reward_s": time.perf_counter() - started,
+                "reward_s": reward_s or 0.0,  # the task's scoring, all of its samples
+                **({"reward_failures": float(len(result.failures))} if result.failures else {}),
                 "done_at": time.time(),  # wall clock: the trainer's receipt minus this is the bus latency
             },
+            reward_components=dict(result.components),
         )
         validate(rollout, limits=limits)
         rollouts.append(rollout)
@@ -106,8 +142,10 @@ async def generate_rollouts(
     *,
     sampler_id: str,
     limits: WireLimits | None = None,
+    rewards: RewardRunner | None = None,
 ) -> list[Rollout]:
-    """Sample the task's G = group_size responses with one engine request and build their rollouts.
+    """Sample the task's G = group_size responses with one engine request, score them with `rewards` (one round
+    trip to a worker; None: in this thread, the kind's default reward) and build their rollouts.
 
     The G samples start at one weight version; with in-flight (`keep`) updates each may change version inside its
     response (each rollout says where). A task that names its `sample_indices` (re-issued slots) gets one
@@ -126,6 +164,9 @@ async def generate_rollouts(
     else:
         samples = await engine.generate(task.prompt_ids, num_samples=task.group_size, seed=seed)
     sampling = engine.sampling_cfg
+    requests = score_requests(task, samples, max_tokens=sampling.max_tokens)
+    started = time.perf_counter()
+    scored = await rewards.score_many(requests) if rewards is not None else score_inline(requests)
     rollouts = build_rollouts(
         task,
         samples,
@@ -134,6 +175,8 @@ async def generate_rollouts(
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         limits=limits,
+        scored=scored,
+        reward_s=time.perf_counter() - started,
     )
     logger.debug(
         "task %s: %d rollouts at weight version %d, rewards %s",

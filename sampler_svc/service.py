@@ -33,10 +33,13 @@ from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.streams import ROLLOUTS, TASKS, TASKS_GROUP
+from rlcommon.task.rewards import check_reward_config
 from rlcommon.weight_store import WeightsError, resolve_announced_version
 from rlcommon.wire import Task, WireError
 from sampler_svc.engine import EngineError, SamplerEngine
+from sampler_svc.evaluation import EvalSlice
 from sampler_svc.outbox import Outbox
+from sampler_svc.reward_runner import RewardRunner
 from sampler_svc.rollouts import generate_rollouts
 from sampler_svc.weight_fetch import WeightFetcher
 
@@ -56,6 +59,10 @@ class SamplerService:
         self.started_at = time.monotonic()
         self.stopping = asyncio.Event()
         self.engine: SamplerEngine | None = None
+        self.rewards: RewardRunner | None = None
+        """Scores the responses in worker processes (sampler_svc/reward_runner.py)."""
+        self.evals: EvalSlice | None = None
+        """Eval tasks beside the training tasks, a bounded slice (sampler_svc/evaluation.py); None: no eval."""
         self.conn: RedisConnection | None = None
         self.outbox: Outbox | None = None
         self.coordinator: AsyncCoordinator | None = None
@@ -88,13 +95,18 @@ class SamplerService:
 
     async def start(self) -> SamplerService:
         cfg = self.cfg
+        # First: a reward that cannot be imported, or that needs a column the data lacks, fails in a second.
+        check_reward_config(cfg.reward, cfg.task)
+        self.metrics = MetricsSink(service="sampler")
+        self.rewards = await RewardRunner(cfg.reward, kinds=[cfg.task.kind], metrics=self.metrics).start()
         if self.fetcher is not None:  # no shared storage: the starting model comes from the weight server too
             await asyncio.to_thread(self.fetcher.start_fresh)
             self.model_dir = await self.fetcher.fetch_model()
         else:
             self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
         self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling,
-                                          max_sequences=self.capacity * cfg.coordinator.group_size,
+                                          max_sequences=self.capacity * cfg.coordinator.group_size + (
+                                              cfg.eval.max_inflight_tasks * cfg.eval.n if cfg.eval.enabled else 0),
                                           cpu_engine_start=cfg.sampler.cpu_engine_start).start()
         self.limits = cfg.wire.for_model_vocab(model_vocab_size(cfg.model, cfg.task, model_dir=self.model_dir))
         self.conn = RedisConnection.from_config(cfg.redis)
@@ -107,12 +119,16 @@ class SamplerService:
         self.outbox = Outbox(self.producer, self.consumer)
         self.coordinator = AsyncCoordinator.from_config(cfg.coordinator)
         start_metrics_server(cfg.sampler.metrics_port, cfg.sampler.metrics_host)
-        self.metrics = MetricsSink(service="sampler")
         await self.register()
         if self.wanted_update is not None:  # published before this sampler started: loaded before any task
             await self.apply_update(self.wanted_update)
         self.background = [asyncio.create_task(self.follow_weight_updates()), asyncio.create_task(self.heartbeats()),
                            asyncio.create_task(self.load_weights())]
+        if cfg.eval.enabled:
+            self.evals = EvalSlice.from_config(cfg, conn=self.conn, engine=self.engine, sampler_id=self.sampler_id,
+                                               limits=self.limits, rewards=self.rewards, metrics=self.metrics,
+                                               on_failure=self._eval_failed)
+            self.background.append(asyncio.create_task(self.evals.run(self.stopping, self.may_take_tasks)))
         logger.info("sampler %s ready (capacity %d tasks)", self.sampler_id, self.capacity)
         timeline(logger, "sampler ready: taking tasks")
         return self
@@ -130,6 +146,8 @@ class SamplerService:
             timeline(logger, "vLLM engine stopped")
         if self.coordinator is not None:
             await self.coordinator.close()
+        if self.rewards is not None:
+            await self.rewards.stop()
         if self.fetcher is not None:
             await self.fetcher.close()
         if self.conn is not None:
@@ -166,11 +184,16 @@ class SamplerService:
             self.stopping.set()  # an engine failure: exit non-zero, the task is redelivered elsewhere
             self.failure = task.exception()
 
+    def _eval_failed(self, err: BaseException) -> None:
+        self.failure = err  # an engine failure: exit non-zero (the eval tasks in hand are claimed by others)
+        self.stopping.set()
+
     async def process(self, delivery: Delivery) -> None:
         task: Task = delivery.message  # type: ignore[assignment]
         try:
             self.check_task(task)
-            rollouts = await generate_rollouts(self.engine, task, sampler_id=self.sampler_id, limits=self.limits)
+            rollouts = await generate_rollouts(self.engine, task, sampler_id=self.sampler_id, limits=self.limits,
+                                               rewards=self.rewards)
         except (ValueError, WireError) as err:  # a task this sampler can never serve: dead-letter it
             logger.warning("task %s rejected: %s", task.task_id, err)
             await asyncio.to_thread(self.consumer.reject, [delivery], reason=f"sampler {self.sampler_id}: {err}")

@@ -4,6 +4,11 @@ Rows are ordered by (batch_id, group_id, sample_index), so the batch (and the st
 depend on the order in which rollouts arrived. Each row is `prompt + response` right-padded to the longest
 row; response-aligned tensors are [B, T] with T the longest response. A response sampled across an in-flight
 weight update holds tokens of several versions: `token_versions` names the version of each token.
+
+A response cut at max_tokens (finish_reason "length") is handled by `trainer.truncation`: `keep` trains it as it
+is; `mask` takes its tokens out of the loss (`loss_mask`) and its reward out of its group's advantage baseline
+(mean and std over the group's other responses: a masked response is as if it had not been sampled); `penalty`
+gives it the reward `trainer.overlong_penalty` before the advantages.
 """
 
 from __future__ import annotations
@@ -16,9 +21,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["TrainBatch", "build_batch", "group_advantages"]
+from rlcommon.step_stats import REWARD_FAILURES, reward_component_stat
+
+__all__ = ["TRUNCATIONS", "TrainBatch", "build_batch", "group_advantages", "reward_component_stats"]
 
 ADVANTAGE_EPS = 1e-6
+TRUNCATED = "length"
+"""The finish_reason of a response cut at max_tokens (vLLM's)."""
+TRUNCATIONS = ("keep", "mask", "penalty")
 
 
 @dataclass
@@ -55,6 +65,16 @@ class TrainBatch:
     """Sampling temperature shared by every rollout of the batch."""
     rollout_ids: tuple[str, ...]
     """Rollout ids in row order."""
+    truncated: Tensor | None = None
+    """[B] bool, True for a response cut at max_tokens (None: not known, none)."""
+    loss_mask: Tensor | None = None
+    """[B, T] bool, the tokens in the loss: `response_mask` without the truncated rows with `trainer.truncation =
+    "mask"` (None: `response_mask`)."""
+
+    @property
+    def trained_mask(self) -> Tensor:
+        """The tokens the loss is over (`loss_mask`, else every response token)."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def batch_size(self) -> int:
@@ -89,16 +109,23 @@ class TrainBatch:
         return replace(self, **moved)
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, *, std_norm: bool = True) -> Tensor:
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, std_norm: bool = True,
+                     included: Tensor | None = None) -> Tensor:
     """GRPO advantage per rollout: (R - mean_G R) / (std_G R + 1e-6), or R - mean_G R without std_norm.
 
     std is the sample standard deviation (n - 1) of the group; a group of one rollout gets advantage 0.
+    `included` ([B] bool): only those rows make up their group (its mean and std); the others get advantage 0.
     """
     assert rewards.shape == group_ids.shape and rewards.dim() == 1, (rewards.shape, group_ids.shape)
     rewards = rewards.double()
     advantages = torch.zeros_like(rewards)
     for group_id in torch.unique(group_ids).tolist():
-        rows = (group_ids == group_id).nonzero().squeeze(1)
+        in_group = group_ids == group_id
+        if included is not None:
+            in_group &= included
+        rows = in_group.nonzero().squeeze(1)
+        if len(rows) == 0:
+            continue
         group_rewards = rewards[rows]
         centered = group_rewards - group_rewards.mean()
         if std_norm and len(rows) > 1:
@@ -114,8 +141,10 @@ def _array(value: Any, *, name: str, rollout_id: str, dtype: np.dtype, ndim: int
     return array.astype(dtype, copy=False)
 
 
-def build_batch(rollouts: Sequence[Any], *, pad_id: int = 0, adv_std_norm: bool = True) -> TrainBatch:
-    """Pad decoded `Rollout`s (rlcommon.wire) into a TrainBatch and compute GRPO advantages by group_id.
+def build_batch(rollouts: Sequence[Any], *, pad_id: int = 0, adv_std_norm: bool = True, truncation: str = "keep",
+                overlong_penalty: float = -1.0) -> TrainBatch:
+    """Pad decoded `Rollout`s (rlcommon.wire) into a TrainBatch and compute GRPO advantages by group_id, with the
+    truncated responses handled by `truncation` (see the module).
 
     Raises ValueError on an empty list, a duplicate (group_id, sample_index), mismatched array lengths,
     different top-K widths or different temperatures within the batch, or an empty prompt.
@@ -179,22 +208,43 @@ def build_batch(rollouts: Sequence[Any], *, pad_id: int = 0, adv_std_norm: bool 
         token_versions[i] = int(rollout.weight_version)
         token_versions[i, : len(response)] = rollout.token_versions()
 
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"build_batch: truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
+    truncated = torch.tensor([r[0].finish_reason == TRUNCATED for r in rows], dtype=torch.bool)
     rewards = torch.tensor([float(r[0].reward) for r in rows], dtype=torch.float32)
+    if truncation == "penalty":
+        rewards = torch.where(truncated, torch.tensor(overlong_penalty, dtype=torch.float32), rewards)
+    masked = truncated if truncation == "mask" else torch.zeros_like(truncated)
     group_ids = torch.tensor([int(r[0].group_id) for r in rows], dtype=torch.int64)
+    response_mask_t = torch.from_numpy(response_mask)
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention_mask),
         prompt_lengths=torch.tensor([len(r[1]) for r in rows], dtype=torch.int64),
         response_lengths=torch.tensor([len(r[2]) for r in rows], dtype=torch.int64),
-        response_mask=torch.from_numpy(response_mask),
+        response_mask=response_mask_t,
         sampler_logprobs=torch.from_numpy(sampler_logprobs),
         topk_ids=torch.from_numpy(topk_ids),
         topk_logprobs=torch.from_numpy(topk_logprobs),
         rewards=rewards,
-        advantages=group_advantages(rewards, group_ids, std_norm=adv_std_norm),
+        advantages=group_advantages(rewards, group_ids, std_norm=adv_std_norm, included=~masked),
         weight_versions=torch.tensor([int(r[0].weight_version) for r in rows], dtype=torch.int64),
         token_versions=torch.from_numpy(token_versions),
         group_ids=group_ids,
         temperature=temperatures.pop(),
         rollout_ids=tuple(str(r[0].rollout_id) for r in rows),
+        truncated=truncated,
+        loss_mask=response_mask_t & ~masked[:, None],
     )
+
+
+def reward_component_stats(rollouts: Sequence[Any]) -> dict[str, float]:
+    """The batch mean of each reward component (`reward/<name>`: a rollout without it counts 0) and the reward
+    calls that failed (`reward_failures`: the rollouts' `timings["reward_failures"]`)."""
+    sums: dict[str, float] = {}
+    for rollout in rollouts:
+        for name, value in getattr(rollout, "reward_components", {}).items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    stats = {reward_component_stat(name): total / len(rollouts) for name, total in sorted(sums.items())}
+    stats[REWARD_FAILURES] = float(sum(r.timings.get("reward_failures", 0.0) for r in rollouts))
+    return stats

@@ -40,6 +40,7 @@ from rlcommon.models.tokenizer import load_tokenizer
 from rlcommon.plan_ids import plan_horizon, slot_rollout_id
 from rlcommon.step_stats import ESS_LAG, REWARD_MEAN
 from rlcommon.streams import DATA_FIELD, ROLLOUTS, ROLLOUTS_GROUP, TOKENS, stream_key
+from rlcommon.task.evaluation import is_eval_row
 from rlcommon.token_stats import encode_token_stats
 from rlcommon.trackers import open_trackers
 from rlcommon.weight_chain import prune_deltas
@@ -57,6 +58,7 @@ from rlcommon.weight_store import (
 )
 from rlcommon.wire import Rollout
 from trainer_svc.checkpoint import latest_checkpoint, load_checkpoint
+from trainer_svc.evaluation import TrainerEvals
 from trainer_svc.parallel import DataParallel
 from trainer_svc.ranks import Ranks
 from trainer_svc.retention import (
@@ -69,6 +71,8 @@ from trainer_svc.step import StepResult, TrainStep
 
 logger = logging.getLogger("trainer")
 
+FINAL_REASON = "eval.at_end: the final weights"
+"""The reason of the final weights' publish and eval round (eval.at_end; `finish_evals`)."""
 QUEUE_GAUGE_INTERVAL_S = 1.0
 """The most often the wait loop asks Redis for the rollout queue's depth (a Prometheus gauge: scraped every few
 seconds; asked on every pass of the loop it was a round trip or more per step)."""
@@ -159,6 +163,8 @@ class TrainerService:
         self.metrics: MetricsSink | None = None
         self.coordinator: Coordinator | None = None
         self.conn: RedisConnection | None = None
+        self.evals: TrainerEvals | None = None
+        """Evaluation while training (trainer_svc/evaluation.py); None when `eval` evaluates nothing."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -204,6 +210,11 @@ class TrainerService:
             tensorboard_dir=self.run_dir / "tensorboard" if "tensorboard" in backends else None,
             trackers=open_trackers(cfg), step_gauges="prometheus" in backends,
         )
+        if cfg.eval.enabled:
+            self.evals = TrainerEvals.from_run(cfg, conn=self.conn, metrics=self.metrics, model_dir=self.model_dir,
+                                               metrics_path=metrics_path, consumer=f"trainer-{socket.gethostname()}")
+            if cfg.eval.at_start:
+                self.evals.plan(0, step=0, reason="eval.at_start: the initial weights")
         self.started = True
         timeline(logger, "trainer ready: waiting for the first batch")
         self.stages.take()  # the first row's stages start here, not at construction
@@ -216,6 +227,23 @@ class TrainerService:
             self.checkpoint()
             logger.info("checkpointed step %d on the way out", self.train_step.step)
         self.settle_checkpoint(wait=True)
+        if self.evals is not None and self.train_step.step >= self.cfg.steps and not self.stopping.is_set():
+            self.finish_evals()
+
+    def finish_evals(self) -> None:
+        """After the last step: with eval.at_end, the final weights' round (published first as a version of
+        their own when the last step did not publish them); then wait up to eval.final_timeout_s for every
+        round still open."""
+        step = self.train_step.step - 1
+        if self.cfg.eval.at_end:
+            version = self.train_step.weight_version
+            if self.train_step.snapshots.published_step(version) != self.train_step.step:
+                # The next number after the trainer's own last version: only the trainer publishes, so it is new; a
+                # trainer restarted after this publish (from the checkpoint of the last step, which precedes it)
+                # numbers it the same and reuses its folder (`reuse_published`: same step, announced again).
+                version = self.publish(version + 1, step=step, reason=FINAL_REASON)
+            self.evals.plan(version, step=step, reason=FINAL_REASON)
+        self.evals.wait(step=step, timeout_s=self.cfg.eval.final_timeout_s)
 
     def request_stop(self) -> None:
         """Stop after the current step (a signal handler may call it)."""
@@ -248,6 +276,9 @@ class TrainerService:
             if self.ranks.checkpoints.finished():  # written in the background: ack what it covers
                 with self.stages.stage("checkpoint"):
                     self.settle_checkpoint()
+            if self.evals is not None:
+                with self.stages.stage("eval"):
+                    self.evals.poll(step=max(self.train_step.step - 1, 0))
             buffer = self.buffers.get(self.next_batch_id)
             if buffer is not None and len(buffer.rollouts) == self.samples_per_batch:
                 self.train_batch(self.next_batch_id)
@@ -466,6 +497,9 @@ class TrainerService:
         self.coordinator.announce_published(weight_version=weight_version, path=str(Path(published.path).resolve()),
                                             sha256=published.sha256, step=step, reason=reason)
         self.published_version = max(self.published_version, weight_version)
+        if self.evals is not None and self.evals.wants(weight_version):  # the final weights: `finish_evals`
+            self.evals.plan(weight_version, step=step, reason=reason if reason.startswith("eval.")
+                            else f"eval.every_versions: {reason}")
         self.delete_old_versions()
         return weight_version
 
@@ -628,8 +662,8 @@ def truncate_metrics(path: Path, *, before_step: int) -> int:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < before_step:
-            kept.append(line)
+        if isinstance(row, dict) and (is_eval_row(row) or isinstance(row.get("step"), int) and row["step"] < before_step):
+            kept.append(line)  # eval rows stay: each is logged once (trainer_svc/evaluation.py)
     if len(kept) == len(lines):
         return 0
     tmp = path.with_suffix(".tmp")

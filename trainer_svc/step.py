@@ -55,8 +55,9 @@ from rlcommon.step_stats import (
     STALENESS_MEAN,
     STALENESS_STEPS_MAX,
     STEP_TIME_S,
+    TRUNCATED_FRAC,
 )
-from trainer_svc.batch import TrainBatch, build_batch
+from trainer_svc.batch import TrainBatch, build_batch, reward_component_stats
 from trainer_svc.corrections import (
     CENTERED_METHODS,
     CorrectionState,
@@ -148,9 +149,11 @@ class TrainStep:
         """One step on a planned batch (decoded wire Rollouts or a prebuilt TrainBatch)."""
         start = time.perf_counter()
         if isinstance(rollouts, TrainBatch):
-            batch = rollouts
+            batch, reward_stats = rollouts, {}
         else:
-            batch = build_batch(rollouts, pad_id=self.pad_id, adv_std_norm=self.config.adv_std_norm)
+            batch = build_batch(rollouts, pad_id=self.pad_id, adv_std_norm=self.config.adv_std_norm,
+                                truncation=self.config.truncation, overlong_penalty=self.config.overlong_penalty)
+            reward_stats = reward_component_stats(rollouts)
         device = next(self.model.parameters()).device
         batch = batch.to(device)
         needs_topk = self.method in CENTERED_METHODS
@@ -218,6 +221,7 @@ class TrainStep:
         metrics = {
             **loss_metrics,
             **self._batch_metrics(batch),
+            **reward_stats,
             "loss": float(loss.detach()),
             GRAD_NORM: grad_norm,
             "lr": lr if skip_reason is None else 0.0,
@@ -277,7 +281,7 @@ class TrainStep:
             logp_version=version.logp,
             logp_sampler=batch.sampler_logprobs,
             advantages=batch.advantages,
-            mask=batch.response_mask,
+            mask=batch.trained_mask,
             centering=centering,
             config=self.config.correction,
             state=self.correction_state,
@@ -311,6 +315,7 @@ class TrainStep:
         return {
             REWARD_MEAN: float(batch.rewards.mean()),
             REWARD_STD: float(batch.rewards.std(correction=0)),
+            TRUNCATED_FRAC: float(batch.truncated.float().mean()) if batch.truncated is not None else 0.0,
             RESPONSE_LENGTH_MEAN: float(batch.response_lengths.float().mean()),
             STALENESS_MEAN: float(staleness.double().mean()),
             STALENESS_MAX: float(staleness.max()),

@@ -53,6 +53,7 @@ function fmt(value, digits = 3) {
 // rlcommon/step_stats.py via coordinator/dashboard_data.py); the page holds only their colours, in order.
 const COLOURS = {
   "chart-reward": ["#2563eb"],
+  "chart-reward-components": ["#999", "#2563eb", "#16a34a", "#ea580c", "#9333ea", "#0891b2", "#dc2626", "#65a30d"],
   "chart-ess": ["#7c3aed", "#dc2626", "#999"],
   "chart-delta": ["#0891b2", "#ea580c", "#65a30d"],
   "chart-staleness": ["#2563eb", "#dc2626"],
@@ -102,9 +103,13 @@ function chartData(series) {
 function drawCharts(charts) {
   for (const [id, series] of Object.entries(charts)) {
     const data = chartData(series);
-    if (state.charts[id]) {
+    if (state.charts[id] && state.charts[id].series.length === series.length + 1) {
       state.charts[id].setData(data);
       continue;
+    }
+    if (state.charts[id]) {  // its series changed (a reward component first reported): drawn again
+      state.charts[id].destroy();
+      delete state.charts[id];
     }
     const box = document.getElementById(id);
     const opts = {
@@ -121,6 +126,44 @@ function drawCharts(charts) {
     };
     state.charts[id] = new uPlot(opts, data, box);
     box.dataset.ready = "1";
+  }
+}
+
+// One chart per eval set (evaluation while training): its metrics over the versions evaluated, the series' names
+// from the API (`overview.evals.charts`); a version whose set is still being sampled has no point yet.
+const EVAL_COLOURS = ["#2563eb", "#dc2626", "#16a34a"];
+
+function drawEvalCharts(evals) {
+  const section = document.getElementById("eval-charts");
+  const sets = Object.keys(evals.charts);
+  section.hidden = sets.length === 0;
+  for (const name of sets) {
+    const series = evals.charts[name];
+    const points = evals.points[name].filter((p) => p.complete);
+    const data = [points.map((p) => p.weight_version),
+                  ...series.map((one) => points.map((p) => (p.metrics[one.name] ?? null)))];
+    const id = `eval-chart-${name}`;
+    if (state.charts[id]) {
+      state.charts[id].setData(data);
+      document.getElementById(id).dataset.points = points.length;
+      continue;
+    }
+    const box = el("div", { class: "chart", id, "data-eval-set": name },
+                   el("h2", {}, `eval: ${name} (by weight version)`));
+    section.append(box);
+    const opts = {
+      width: Math.max(380, box.clientWidth - 12),
+      height: 190,
+      scales: { x: { time: false } },
+      series: [{ label: "version" }, ...series.map((one, i) => ({
+        label: one.name, stroke: EVAL_COLOURS[i % EVAL_COLOURS.length], width: 1.5, spanGaps: true,
+        points: { show: true },
+      }))],
+      axes: [{ label: "weight version" }, {}],
+    };
+    state.charts[id] = new uPlot(opts, data, box);
+    box.dataset.ready = "1";
+    box.dataset.points = points.length;
   }
 }
 
@@ -204,6 +247,7 @@ async function poll() {
     state.essThreshold = o.ess_threshold;
     drawHeadline(o);
     drawCharts(o.charts);
+    drawEvalCharts(o.evals);
     drawPlan(o);
     drawSamplers(o);
     drawSyncs(o);

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -68,8 +68,11 @@ class StreamConsumer:
         max_deliveries: int | None = None,
         create_group: bool = True,
         read_budget_bytes: int | None = None,
+        decoder: Callable[[bytes], Any] | None = None,
     ) -> None:
-        """expected: the message type of this stream (others are dead-lettered); deadletter_stream:
+        """expected: the message type of this stream (others are dead-lettered); decoder: the stream's own
+        decoder instead of `wire.decode` (a stream of other messages: rlcommon/eval_wire.py; it raises
+        wire.WireError on a bad entry, which is dead-lettered); deadletter_stream:
         default `<prefix>:deadletter` beside the stream; max_deliveries: dead-letter an entry delivered
         more often than this (a message that keeps crashing its consumers); None = never. create_group:
         False for a consumer whose Redis user may not create groups: its reads return nothing until the
@@ -98,6 +101,7 @@ class StreamConsumer:
         self.deadletter_max_len = deadletter_max_len
         self.max_deliveries = max_deliveries
         self.read_budget_bytes = read_budget_bytes
+        self.decoder = decoder
         self._history_cursor: bytes | None = b"0"  # replay own pending entries first (restart)
         self._next_claim_check_s = 0.0
         self.create_group = create_group
@@ -118,6 +122,7 @@ class StreamConsumer:
         limits: WireLimits | None = None,
         create_group: bool = True,
         read_budget_bytes: int | None = None,
+        decoder: Callable[[bytes], Any] | None = None,
     ) -> StreamConsumer:
         """Consumer of stream `name` of run bus.run_id with bus's claim/block settings."""
         return cls(
@@ -132,6 +137,7 @@ class StreamConsumer:
             deadletter_stream=stream_key(bus.run_id, DEADLETTER),
             create_group=create_group,
             read_budget_bytes=read_budget_bytes,
+            decoder=decoder,
         )
 
     def ensure_group(self) -> None:
@@ -192,7 +198,9 @@ class StreamConsumer:
             reason = self._reject_reason(fields, times)
             if reason is None:
                 try:
-                    message = wire.decode(fields[DATA_FIELD], expected=self.expected, limits=self.limits)
+                    data = fields[DATA_FIELD]
+                    message = self.decoder(data) if self.decoder is not None else \
+                        wire.decode(data, expected=self.expected, limits=self.limits)
                 except wire.WireError as err:
                     reason = str(err)
                 else:
@@ -341,7 +349,7 @@ class StreamConsumer:
         rows = self.conn.call(fetch)
         bad = []
         for delivery, found in zip(deliveries, rows, strict=True):
-            fields = found[0][1] if found else {DATA_FIELD: wire.encode(delivery.message)}
+            fields = found[0][1] if found else {DATA_FIELD: b"" if self.decoder else wire.encode(delivery.message)}
             bad.append((delivery.entry_id, fields, reason, delivery.delivery_count))
         self._dead_letter(bad)
 

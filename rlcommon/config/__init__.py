@@ -8,7 +8,9 @@ One module per section; every name below is importable from `rlcommon.config` it
 
 - `base`: `ConfigError`, `StrictModel` (the base of every section)
 - `bus`: `RedisConfig` (`redis.*`), `BusConfig` (`bus.*`)
-- `model`: `ModelConfig` (`model.*`), `TaskConfig` (`task.*`)
+- `model`: `ModelConfig` (`model.*`)
+- `task`: `TaskConfig` (`task.*`: the kind, its data set and eval sets, the prompt format), `DataSpec`,
+  `EvalSetSpec`, `PromptConfig`
 - `wire_limits`: `WireLimits` (`wire.*`), `derived_max_message_bytes`
 - `sampler`: `SamplingConfig` (`sampling.*`), `SamplerConfig` (`sampler.*`)
 - `trainer`: `TrainerConfig` (`trainer.*`) with `CorrectionConfig`, `ParallelConfig`, `KeepVersionsConfig`;
@@ -16,8 +18,10 @@ One module per section; every name below is importable from `rlcommon.config` it
 - `coordinator`: `CoordinatorConfig` (`coordinator.*`: server, plan shape, sync policy, auth, TLS, dashboard);
   `SyncPolicy`, `SYNC_POLICIES`
 - `placement`: `PlacementConfig` (`placement.*`)
+- `reward`: `RewardConfig` (`reward.*`: weighted reward components, the workers' timeout), `RewardComponent`
 - `tracking`: `TrackingConfig` (`tracking.*`), `TrackerName`
 - `weight_server`: `WeightServerConfig` (`weight_server.*`)
+- `eval`: `EvalConfig` (`eval.*`: evaluation while training)
 - `run`: `RunConfig` (every section, and the checks across sections)
 - `loading`: `load_config`, `build_config`, `parse_overrides`, `env_overrides`, `ENV_PREFIX`, `dump_toml`
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 from rlcommon.config.base import ConfigError, StrictModel
 from rlcommon.config.bus import BusConfig, RedisConfig
 from rlcommon.config.coordinator import SYNC_POLICIES, CoordinatorConfig, SyncPolicy
+from rlcommon.config.eval import EvalConfig
 from rlcommon.config.loading import (
     ENV_PREFIX,
     build_config,
@@ -36,10 +41,12 @@ from rlcommon.config.loading import (
     parse_overrides,
     read_secret_file,
 )
-from rlcommon.config.model import ModelConfig, TaskConfig
+from rlcommon.config.model import ModelConfig
 from rlcommon.config.placement import PlacementConfig
+from rlcommon.config.reward import RewardComponent, RewardConfig
 from rlcommon.config.run import RunConfig
 from rlcommon.config.sampler import SamplerConfig, SamplingConfig, UpdateMode
+from rlcommon.config.task import DataSpec, EvalSetSpec, PromptConfig, TaskConfig
 from rlcommon.config.tracking import TrackerName, TrackingConfig
 from rlcommon.config.trainer import (
     METHODS,
@@ -60,6 +67,9 @@ __all__ = [
     "BusConfig",
     "ModelConfig",
     "TaskConfig",
+    "DataSpec",
+    "EvalSetSpec",
+    "PromptConfig",
     "SamplingConfig",
     "WireLimits",
     "derived_max_message_bytes",
@@ -75,9 +85,12 @@ __all__ = [
     "SYNC_POLICIES",
     "SyncPolicy",
     "PlacementConfig",
+    "RewardComponent",
+    "RewardConfig",
     "TrackerName",
     "TrackingConfig",
     "WeightServerConfig",
+    "EvalConfig",
     "RunConfig",
     "ENV_PREFIX",
     "build_config",

@@ -172,6 +172,8 @@ def dump_toml(config: BaseModel) -> str:
     def drop_none(obj: Any) -> Any:
         if isinstance(obj, dict):
             return {k: drop_none(v) for k, v in obj.items() if v is not None}
+        if isinstance(obj, list):  # tables in arrays ([[task.eval_sets]]) have None values too
+            return [drop_none(v) for v in obj]
         return obj
 
     return tomli_w.dumps(drop_none(config.model_dump(mode="json")))

@@ -1,12 +1,12 @@
-"""What the run trains: the model (`model`) and the task its prompts come from (`task`)."""
+"""What the run trains: the model (`model`). The task its prompts come from (`task`) is `rlcommon.config.task`
+(re-exported here)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from rlcommon.config.base import StrictModel
+from rlcommon.config.task import TaskConfig
 
 __all__ = ["ModelConfig", "TaskConfig"]
 
@@ -22,24 +22,3 @@ class ModelConfig(StrictModel):
     """Where built models are cached (by a hash of their settings)."""
     warm_start_steps: int = Field(300, ge=0)
     """Supervised warm-start steps on the task for a built `tiny`/`small` model (real shapes: none)."""
-
-
-class TaskConfig(StrictModel):
-    kind: Literal["arithmetic", "reverse", "reverse_long", "jsonl"] = "arithmetic"
-    """Task family: synthetic arithmetic (default), string reversal (`reverse_long`: 8-80 letters, rewarded per
-    letter: long responses), or a GSM8K-style JSONL file."""
-    difficulty: int = Field(1, ge=1, le=5)
-    """Arithmetic: number of digits / operands grows with difficulty; reverse: string length (difficulty + 1 to
-    + 2 letters; reverse_long: 16 x difficulty - 8 to 16 x difficulty)."""
-    path: str | None = None
-    """JSONL file of {question, answer} for kind = jsonl."""
-    seed: int = Field(0, ge=0)
-    """Seed of the prompt stream (the plan is deterministic given this seed)."""
-    eval_size: int = Field(64, ge=1)
-    """Size of the fixed evaluation prompt set."""
-
-    @model_validator(mode="after")
-    def _jsonl_needs_path(self) -> TaskConfig:
-        if self.kind == "jsonl" and not self.path:
-            raise ValueError("task.path is required when task.kind = 'jsonl'")
-        return self

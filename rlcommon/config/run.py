@@ -9,9 +9,12 @@ from pydantic import Field, model_validator
 from rlcommon.config.base import StrictModel
 from rlcommon.config.bus import BusConfig, RedisConfig
 from rlcommon.config.coordinator import CoordinatorConfig
-from rlcommon.config.model import ModelConfig, TaskConfig
+from rlcommon.config.eval import EvalConfig
+from rlcommon.config.model import ModelConfig
 from rlcommon.config.placement import PlacementConfig
+from rlcommon.config.reward import RewardConfig
 from rlcommon.config.sampler import SamplerConfig, SamplingConfig
+from rlcommon.config.task import TaskConfig
 from rlcommon.config.tracking import TrackingConfig
 from rlcommon.config.trainer import TrainerConfig
 from rlcommon.config.weight_server import WeightServerConfig
@@ -37,11 +40,13 @@ class RunConfig(StrictModel):
     task: TaskConfig = Field(default_factory=TaskConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     weight_server: WeightServerConfig = Field(default_factory=WeightServerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _queue_fits_what_the_trainer_holds(self) -> RunConfig:
@@ -68,6 +73,19 @@ class RunConfig(StrictModel):
     def _sampler_capacity(self) -> RunConfig:
         if self.sampler.max_inflight_tasks is None:
             self.sampler.max_inflight_tasks = self.coordinator.max_inflight_batches * self.coordinator.batch_size
+        return self
+
+    @model_validator(mode="after")
+    def _eval_fits_the_engine(self) -> RunConfig:
+        """eval.max_tokens (None: sampling.max_tokens) within the wire's response limit and the engine's length."""
+        if self.eval.max_tokens is None:
+            self.eval.max_tokens = self.sampling.max_tokens
+        if self.eval.max_tokens > self.wire.max_response_tokens:
+            raise ValueError(f"eval.max_tokens = {self.eval.max_tokens} exceeds wire.max_response_tokens = "
+                             f"{self.wire.max_response_tokens}; lower eval.max_tokens or raise the limit")
+        if self.eval.max_tokens >= self.sampler.max_model_len:
+            raise ValueError(f"eval.max_tokens = {self.eval.max_tokens} leaves no room for a prompt in "
+                             f"sampler.max_model_len = {self.sampler.max_model_len}; raise sampler.max_model_len")
         return self
 
     @model_validator(mode="after")

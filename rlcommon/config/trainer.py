@@ -81,6 +81,17 @@ class TrainerConfig(StrictModel):
     """Max gradient norm."""
     adv_std_norm: bool = True
     """GRPO advantage divides by the group std (False: mean-centering only)."""
+    truncation: Literal["keep", "mask", "penalty"] = "keep"
+    """What the trainer does with a response cut at sampling.max_tokens (finish_reason "length"; counted in every
+    step as `truncated_frac`): `keep` trains it as it is, with the reward it got; `mask` takes its tokens out of the
+    loss and it out of its group's advantage baseline (DAPO's overlong filtering: a long but right reasoning
+    is not punished for being cut); `penalty` replaces its reward by `overlong_penalty` before the advantages.
+    Default `keep`: plain GRPO, what the toy tasks and the papers' runs train with, and a cut response usually
+    scores 0 already, which is what teaches the model to finish within the budget (`mask` would hide exactly
+    that); a long-reasoning run whose budget cuts many right answers chooses `mask` (or the `overlong` reward
+    component, DAPO's soft penalty before the cut)."""
+    overlong_penalty: float = Field(-1.0, allow_inf_nan=False)
+    """The reward of a truncated response with `truncation = "penalty"` (below every built-in reward's 0..1)."""
     seed: int = Field(0, ge=0)
     """Torch seed."""
     device: str = "cpu"

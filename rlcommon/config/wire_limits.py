@@ -26,8 +26,8 @@ class WireLimits(StrictModel):
     largest legal rollout and little more: `4 P + 8 R (1 + K) + 1 MiB` for P = max_prompt_tokens, R =
     max_response_tokens, K = max_topk. Ids and logprobs take 4 bytes an entry (int32, float32): the prompt's
     ids once, the response's ids and logprobs, its top-K ids and logprobs (R x K each); 1 MiB covers the other
-    fields (ids, scalars, up to 256 timings: 0.3 MB at most; `rlcommon.wire.largest_rollout_bytes` is the exact
-    bound). 17.3 MiB with the defaults. The vocabulary size does not enter it (every id takes 4 bytes)."""
+    fields (ids, scalars, up to 256 timings and 64 reward components: 0.3 MB at most;
+    `rlcommon.wire.largest_rollout_bytes` is the exact bound). 17.3 MiB with the defaults. The vocabulary size does not enter it (every id takes 4 bytes)."""
     vocab_size: int | None = Field(None, ge=1)
     """Token ids (prompt, response, top-K) must be below it: the rows of the model's embedding, its config.json
     `vocab_size` (which may exceed the tokenizer's size: padding). Every service sets it at start-up from the

@@ -43,21 +43,31 @@ from rlcommon.models.presets import (
     TARGET_REWARD,
     ModelShape,
     RealShape,
+    preset_chat_template,
     preset_config,
     preset_config_json,
     qwen3_config,
 )
-from rlcommon.models.tokenizer import CharTokenizer, Qwen3CharTokenizer
-from rlcommon.models.warm_start import _expected_reward, _teacher_batch, _warm_start, measure_reward
-from rlcommon.tasks import TaskSource
+from rlcommon.models.tokenizer import CHAR_CHAT_TEMPLATE, CHARS, CharTokenizer, Qwen3CharTokenizer
+from rlcommon.models.warm_start import (
+    _expected_reward,
+    _teacher_batch,
+    _warm_start,
+    measure_reward,
+    target_text,
+)
+from rlcommon.task.data import data_fingerprint
+from rlcommon.task.prompt import PromptFormatter
+from rlcommon.task.source import TaskSource
 
 __all__ = ["BUILD_VERSION", "build_tiny_model", "main"]
 
 logger = logging.getLogger(__name__)
 
-BUILD_VERSION = 4
+BUILD_VERSION = 5
 """Bump when the build code changes the weights or files it produces (invalidates every cached folder).
-4: tokenizer_config.json carries `dlc_char_level` (special tokens never parsed from text)."""
+4: tokenizer_config.json carries `dlc_char_level` (special tokens never parsed from text).
+5: tokenizer_config.json carries the presets' `chat_template`."""
 
 
 # ------------------------------------------------------------------------------------------------- cache
@@ -75,6 +85,8 @@ def _settings(
             "shape": asdict(spec),
             "config": preset_config_json(preset),
             "tokenizer": "qwen3-char",
+            "chars": CHARS,
+            "chat_template": CHAR_CHAT_TEMPLATE,
             "seed": seed,
         }
     task: dict[str, Any] = {"kind": task_cfg.kind, "difficulty": task_cfg.difficulty, "seed": task_cfg.seed}
@@ -82,10 +94,16 @@ def _settings(
         assert task_cfg.path is not None
         data = Path(task_cfg.path).expanduser()
         task["path_sha256"] = hashlib.sha256(data.read_bytes()).hexdigest() if data.is_file() else None
+    if task_cfg.data is not None:  # the warm start reads its rows
+        task["data"] = task_cfg.data.model_dump(mode="json")
+        task["data_files"] = data_fingerprint(task_cfg.data)
+    task["prompt"] = task_cfg.prompt.model_dump(mode="json")  # the warm start trains on formatted prompts
     return {
         "build_version": BUILD_VERSION,
         "preset": preset,
         "shape": asdict(PRESETS[preset]),
+        "chars": CHARS,
+        "chat_template": CHAR_CHAT_TEMPLATE,
         "seed": seed,
         "task": task,
         "warm_start_steps": warm_start_steps,
@@ -215,15 +233,21 @@ def _build_model_into(
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id
     )
-    source = TaskSource(task_cfg)
+    template = preset_chat_template(preset)
+    formatter = PromptFormatter(task_cfg.prompt, template.template, kind=task_cfg.kind,
+                                special_tokens=template.special_tokens, where=template.source)
+    source = TaskSource(task_cfg, formatter=formatter)
     report: dict[str, Any] = {"num_parameters": sum(p.numel() for p in model.parameters())}
     if warm_start_steps > 0:
         report |= _warm_start(
             model, tokenizer, source, shape=shape, max_steps=warm_start_steps, target_reward=target_reward
         )
-    eval_set = source.eval_set()
-    # Room for the longest answer, EOS and a little slack (a correct response cannot be much longer).
-    max_new_tokens = min(EVAL_MAX_NEW_TOKENS, max(len(tokenizer.encode(p.answer)) for p in eval_set) + 4)
+    # A data set without eval sets is measured on its first training rows.
+    eval_set = (source.eval_set() or [source.problem(i) for i in range(task_cfg.eval_size)])[: task_cfg.eval_size]
+    # Room for the longest answer, EOS and a little slack (a correct response cannot be much longer), and for
+    # the `\boxed{}` around a data set's answer.
+    wrapper = len(target_text(eval_set[0])) - len(eval_set[0].answer)
+    max_new_tokens = min(EVAL_MAX_NEW_TOKENS, max(len(tokenizer.encode(p.answer)) for p in eval_set) + 4) + wrapper
     report["eval_expected_reward"] = round(_expected_reward(model, _teacher_batch(tokenizer, eval_set)), 4)
     report["eval_sampled_reward"] = round(
         measure_reward(

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcommon.models.tokenizer import CharTokenizer, Qwen3CharTokenizer, TextTokenizer
+from rlcommon.models.tokenizer import (
+    CHAR_CHAT_TEMPLATE,
+    CharTokenizer,
+    ChatTemplate,
+    Qwen3CharTokenizer,
+    TextTokenizer,
+)
 
 __all__ = [
     "MODEL_CONFIGS_DIR",
@@ -32,6 +38,7 @@ __all__ = [
     "RealShape",
     "hub_config",
     "preset_config",
+    "preset_chat_template",
     "preset_config_json",
     "preset_tokenizer",
     "qwen3_config",
@@ -142,6 +149,15 @@ def preset_tokenizer(preset: str) -> TextTokenizer:
     if isinstance(spec, RealShape):
         return Qwen3CharTokenizer(vocab_size=preset_config_json(preset)["vocab_size"])
     return CharTokenizer()
+
+
+def preset_chat_template(preset: str) -> ChatTemplate:
+    """The chat template a preset is built with (`CHAR_CHAT_TEMPLATE`, every preset) and its tokenizer's special
+    tokens, without building it."""
+    tokenizer = preset_tokenizer(preset)
+    assert isinstance(tokenizer, CharTokenizer | Qwen3CharTokenizer)
+    special = {key: token for key, token in tokenizer.special_tokens_map.items() if token is not None}
+    return ChatTemplate(CHAR_CHAT_TEMPLATE, special, f"preset {preset}")
 
 
 def qwen3_config(shape: ModelShape, tokenizer: CharTokenizer):

@@ -1,5 +1,6 @@
 """Tokenizers without torch or transformers: the character-level tokenizers of the built models, and
-`load_tokenizer`, which reads any model folder's `tokenizer.json` (built model or hub snapshot).
+`load_tokenizer`, which reads any model folder's `tokenizer.json` (built model or hub snapshot), and
+`load_chat_template`, its chat template.
 
 The character tokenizer is a `tokenizers` WordLevel model over single characters (a pre-tokenizer isolates
 every character, a Fuse decoder joins them back), saved with `tokenizer_config.json` and
@@ -13,6 +14,7 @@ Qwen3 BPE tokenizer cannot be downloaded on these machines).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,15 @@ __all__ = [
     "UNK_TOKEN",
     "SPECIAL_TOKENS",
     "CHARS",
+    "CHAR_CHAT_TEMPLATE",
+    "ChatTemplate",
+    "load_chat_template",
     "TextTokenizer",
     "CharTokenizer",
     "QWEN3_VOCAB_SIZE",
     "Qwen3CharTokenizer",
     "load_tokenizer",
+    "SPECIAL_TOKEN_KEYS",
 ]
 
 PAD_TOKEN = "<pad>"
@@ -39,8 +45,17 @@ UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 """Ids 0..3, in this order."""
 
-CHARS = "0123456789abcdefghijklmnopqrstuvwxyz \n+-*/=.,?!:;#$%&()'\"_<>"
-"""The character vocabulary (ids 4..63): digits, lowercase letters, space, newline, operators, punctuation."""
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyz \n+-*/=.,?!:;#$%^()'\"\\{}"
+"""The character vocabulary (ids 4..63): digits, lowercase letters, space, newline, operators, punctuation,
+and `\\`, `{`, `}`, `^` for LaTeX answers (`\\boxed{\\frac{3}{4}}`, `x^{2}`), at the ids `_`, `<`, `>`, `&` had."""
+
+CHAR_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ 'assistant: ' }}{%- endif %}"
+)
+"""The chat template of the character tokenizers (tokenizer_config.json `chat_template`): one line per
+message, "system: ...", "user: ...", then "assistant: "; it writes only characters of `CHARS` (no special
+tokens)."""
 
 
 CHAR_LEVEL_KEY = "dlc_char_level"
@@ -103,7 +118,8 @@ def _char_level_tokenizer(vocab: dict[str, int], special_tokens: list[str]) -> T
 def _save_char_level(
     tok: Tokenizer, directory: str | Path, *, special: dict[str, str | None], model_max_length: int
 ) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json of a character-level tokenizer.
+    """Write tokenizer.json, tokenizer_config.json (with the chat template `CHAR_CHAT_TEMPLATE`) and
+    special_tokens_map.json of a character-level tokenizer.
 
     `special` maps bos_token / eos_token / pad_token / unk_token to their token (None: the model has none).
     """
@@ -118,6 +134,7 @@ def _save_char_level(
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
         CHAR_LEVEL_KEY: True,
+        "chat_template": CHAR_CHAT_TEMPLATE,
         "added_tokens_decoder": {
             str(token_id): {
                 "content": added.content,
@@ -180,10 +197,14 @@ class CharTokenizer(TextTokenizer):
         assert self.bos_token_id is not None
         return self.bos_token_id
 
+    special_tokens_map: dict[str, str | None] = {
+        "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN
+    }
+    """Its special tokens by role, as tokenizer_config.json names them (None: it has none)."""
+
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
-        special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}
-        _save_char_level(self.tokenizer, directory, special=special, model_max_length=2048)
+        _save_char_level(self.tokenizer, directory, special=self.special_tokens_map, model_max_length=2048)
 
 
 QWEN3_VOCAB_SIZE = 151_936
@@ -243,10 +264,16 @@ class Qwen3CharTokenizer(TextTokenizer):
         """Token string -> id."""
         return self.tokenizer.get_vocab(with_added_tokens=True)
 
+    special_tokens_map: dict[str, str | None] = {
+        "bos_token": None, "eos_token": QWEN3_IM_END, "pad_token": QWEN3_ENDOFTEXT, "unk_token": UNK_TOKEN
+    }
+    """Its special tokens by role, as tokenizer_config.json names them (None: it has none)."""
+
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
-        special = {"bos_token": None, "eos_token": QWEN3_IM_END, "pad_token": QWEN3_ENDOFTEXT, "unk_token": UNK_TOKEN}
-        _save_char_level(self.tokenizer, directory, special=special, model_max_length=QWEN3_MAX_LENGTH)
+        _save_char_level(
+            self.tokenizer, directory, special=self.special_tokens_map, model_max_length=QWEN3_MAX_LENGTH
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -317,3 +344,39 @@ def load_tokenizer(model_dir: str | Path) -> TextTokenizer:
     return TextTokenizer(
         tok, eos_token_ids=eos_ids, pad_token_id=token_id("pad_token"), bos_token_id=token_id("bos_token")
     )
+
+
+SPECIAL_TOKEN_KEYS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
+)
+"""tokenizer_config.json keys of the special tokens transformers hands a chat template as variables."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A model folder's chat template and the special tokens it may read (`bos_token`, `eos_token`, ...)."""
+
+    template: str
+    special_tokens: dict[str, str]
+    source: str
+    """The file it came from."""
+
+
+def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
+    """The chat template of a model folder, as transformers finds it: chat_template.jinja, else
+    tokenizer_config.json `chat_template` (a string, or a list of {name, template}: the one named "default").
+    None when the folder has none."""
+    folder = Path(model_dir).expanduser()
+    config_path = folder / "tokenizer_config.json"
+    config = _read_json(config_path)
+    special = {key: token for key in SPECIAL_TOKEN_KEYS if (token := _token_content(config.get(key)))}
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return ChatTemplate(jinja.read_text(encoding="utf-8"), special, str(jinja))
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+        value = named.get("default")
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return ChatTemplate(value, special, str(config_path))

@@ -2,11 +2,12 @@
 (the sampled reward of a model on a list of problems).
 
 A tiny/small model is a random init (seeded), then a short supervised warm start on the task (teacher forcing
-on prompt + answer + EOS, loss on the answer tokens) until the model is sharp (the probability of the
-exact answer, i.e. the expected reward under temperature-1 sampling, reaches `SHARP_REWARD` on a fixed
-probe set, or the step budget ends), then a calibration that scales the output head down (the same as a
-higher sampling temperature baked into the weights) until that expected reward is `target_reward`. RL
-then starts with signal but far from saturation, and can raise the reward quickly by re-sharpening
+on prompt + target + EOS, loss on the target tokens: the answer, or `\\boxed{answer}` for a data set, whose
+reward reads the last `\\boxed{}`; the prompts are the task's, in its prompt format) until the model is sharp
+(the probability of the exact target, i.e. the expected reward under temperature-1 sampling, reaches
+`SHARP_REWARD` on a fixed probe set, or the step budget ends), then a calibration that scales the output head
+down (the same as a higher sampling temperature baked into the weights) until that expected reward is
+`target_reward`. RL then starts with signal but far from saturation, and can raise the reward quickly by re-sharpening
 knowledge the model already has (a model stopped early instead learns slowly from RL: checked, it stays
 flat for 40 steps of 32 samples). torch is imported only inside the functions.
 """
@@ -18,25 +19,36 @@ from typing import TYPE_CHECKING, Any
 
 from rlcommon.models.presets import NUM_PROBE_PROBLEMS, PROBE_EVERY, SHARP_REWARD, ModelShape
 from rlcommon.models.tokenizer import TextTokenizer
-from rlcommon.rewards import reward
-from rlcommon.tasks import Problem, TaskSource
+from rlcommon.task.problem import Problem
+from rlcommon.task.rewards import reward
+from rlcommon.task.source import TaskSource
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["measure_reward"]
+__all__ = ["measure_reward", "target_text"]
 
 logger = logging.getLogger(__name__)
 
 
+BOXED_KINDS = frozenset({"dataset"})
+"""Task kinds whose warm-start target is `\\boxed{answer}` (their default reward, math_verify, reads the last
+`\\boxed{}`); the other kinds' target is the answer itself."""
+
+
+def target_text(problem: Problem) -> str:
+    """What the warm start teaches the model to answer `problem` with (EOS follows)."""
+    return f"\\boxed{{{problem.answer}}}" if problem.kind in BOXED_KINDS else problem.answer
+
+
 def _teacher_batch(tokenizer: TextTokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer+EOS ids [B, T] and the mask [B, T-1] of positions predicting the answer."""
+    """Right-padded prompt+target+EOS ids [B, T] and the mask [B, T-1] of positions predicting the target."""
     import torch
 
     rows = []
     for problem in problems:
         prompt = tokenizer.encode(problem.prompt)
-        target = tokenizer.encode(problem.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        target = tokenizer.encode(target_text(problem), add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append((prompt, target))
     width = max(len(p) + len(t) for p, t in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)

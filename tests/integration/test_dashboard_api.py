@@ -134,7 +134,8 @@ def test_overview_has_the_plan_the_steps_with_nan_as_null_and_dead_letters(dashb
     status, overview = get_json(f"{base}/api/overview")
     assert status == 200 and overview["run_id"] == RUN_ID and overview["steps"] == {"from": 0, "rows": []}
     assert overview["counts"]["total"] == 2 and overview["counts"]["trained"] == 0
-    stats = {"reward_mean": 0.25, "ess_lag": 0.9, "ess_full": float("nan"), "tokens": 12.0}
+    stats = {"reward_mean": 0.25, "ess_lag": 0.9, "ess_full": float("nan"), "tokens": 12.0,
+             "reward/math_verify": 0.25, "reward/tests.reward_fns:parts/short": 1.0, "truncated_frac": 0.5}
     stub.ReportStep(pb.ReportStepRequest(step=0, batch_id=0, weight_version=0, stats=stats),
                     metadata=(("authorization", f"Bearer {TOKEN}"),))
     conn.call(lambda r: r.xadd(stream_key(RUN_ID, "deadletter"), {
@@ -150,6 +151,13 @@ def test_overview_has_the_plan_the_steps_with_nan_as_null_and_dead_letters(dashb
     ess_chart = {series["name"]: series for series in overview["charts"]["chart-ess"]}
     assert ess_chart["ess_lag"]["unit"] == "fraction in [0, 1]" and ess_chart["threshold"]["derived"] == "ess_threshold"
     assert overview["headline"] == {"reward": "reward_mean", "lag": "ess_lag"}
+    # The reward components chart: the truncated share and each component the steps reported, with their units.
+    components = overview["charts"]["chart-reward-components"]
+    assert [series["name"] for series in components] == \
+        ["truncated_frac", "reward/math_verify", "reward/tests.reward_fns:parts/short"]
+    assert components[1]["unit"] == "reward" and components[0]["unit"] == "fraction"
+    later = get_json(f"{base}/api/overview?since=1")[1]["charts"]["chart-reward-components"]
+    assert later == components  # a page asking from a later row still gets every component's series
 
 
 def rollout(batch_id: int, group_id: int, sample_index: int, text: str, reward: float, *, weight_version: int = 0,
@@ -386,3 +394,28 @@ def test_the_url_make_run_prints_opens_the_api_with_a_read_only_token(tmp_path):
         assert write not in (tmp_path / "logs" / "coordinator.log").read_text()
     finally:
         stack.stop()
+
+
+def test_the_overview_charts_each_eval_set_over_the_versions_evaluated(dashboard, tmp_path):
+    """The trainer's eval records (trainer_svc/evaluation.py): one chart per eval set, its series named with the
+    run's n, a point per version evaluated (open ones marked, without metrics)."""
+    from tests.unit.test_trainer_evals import FakeSampler, trainer_evals
+
+    base, _, conn = dashboard
+    assert get_json(f"{base}/api/overview")[1]["evals"] == {"charts": {}, "points": {}}
+    cfg = RunConfig.model_validate({"bus": {"run_id": RUN_ID, "block_ms": 50}, "eval": {"every_versions": 2, "n": 2}})
+    evals = trainer_evals(cfg, conn, tmp_path)
+    sampler = FakeSampler(conn, cfg)
+    evals.plan(0, step=0, reason="eval.at_start")
+    sampler.answer(sampler.take())
+    evals.plan(2, step=3, reason="eval.every_versions")
+    sampler.answer([d for d in sampler.take() if d.message.task_id == "e2-hard-0"])
+    evals.poll(step=3, force=True)
+    status, overview = get_json(f"{base}/api/overview", token=READ_TOKEN)
+    assert status == 200
+    charts, points = overview["evals"]["charts"], overview["evals"]["points"]
+    assert sorted(charts) == ["easy", "hard"] and [s["name"] for s in charts["easy"]] == ["avg@2", "pass@1", "pass@2"]
+    assert all(s["meaning"] for s in charts["easy"])
+    assert [(p["weight_version"], p["complete"]) for p in points["easy"]] == [(0, True), (2, False)]
+    assert [(p["weight_version"], p["complete"]) for p in points["hard"]] == [(0, True), (2, True)]
+    assert points["easy"][0]["metrics"]["avg@2"] == 0.5 and points["easy"][1]["metrics"] == {}

@@ -26,7 +26,7 @@ import pytest
 
 from rlcommon.config import ModelConfig, SamplerConfig, SamplingConfig, TaskConfig, WireLimits
 from rlcommon.models.tokenizer import QWEN3_VOCAB_SIZE, load_tokenizer
-from rlcommon.tasks import TaskSource
+from rlcommon.task import TaskSource
 from rlcommon.weight_store import publish_version, verify_version_folder
 from rlcommon.wire import Rollout, Task, WireError, decode, encode
 from sampler_svc.rollouts import generate_rollouts

@@ -19,8 +19,8 @@ import pytest
 from rlcommon.config import SamplingConfig, TaskConfig
 from rlcommon.models.tokenizer import load_tokenizer
 from rlcommon.plan_ids import rollout_id
-from rlcommon.rewards import reward
-from rlcommon.tasks import TaskSource
+from rlcommon.task import TaskSource
+from rlcommon.task.rewards import reward
 from rlcommon.weight_store import WeightsError, publish_version, version_folder
 from rlcommon.wire import Rollout, Task, decode, encode
 from sampler_svc.rollouts import generate_rollouts

@@ -20,8 +20,8 @@ from rlcommon.config import ModelConfig, TaskConfig, TrainerConfig
 from rlcommon.models import resolve_model
 from rlcommon.models.tokenizer import load_tokenizer
 from rlcommon.models.warm_start import measure_reward
-from rlcommon.rewards import reward
-from rlcommon.tasks import TaskSource
+from rlcommon.task import TaskSource
+from rlcommon.task.rewards import reward
 from tests.torch_sampler import sample_rollouts
 from trainer_svc.step import TrainStep
 

@@ -315,7 +315,8 @@ def test_queue_depth_is_exact_on_this_redis(conn):
 def test_producers_count_and_trim_only_over_the_projects_own_group(conn, caplog):
     """A foreign group (an operator's monitor that reads and never acks, one that never reads) neither fills
     the queue nor stops the trim: a producer of the run counts its stream's own group only, and says so once."""
-    assert OWNED_GROUPS == {"tasks": TASKS_GROUP, "rollouts": ROLLOUTS_GROUP}
+    assert OWNED_GROUPS == {"tasks": TASKS_GROUP, "rollouts": ROLLOUTS_GROUP, "evals": TASKS_GROUP,
+                            "eval_results": ROLLOUTS_GROUP}  # the samplers read tasks and evals, the trainer the rest
     assert (TASKS_GROUP, ROLLOUTS_GROUP) == ("samplers", "trainer")
     bus = BusConfig(run_id="test", max_queue_depth=4, max_stream_len=100)
     producer = StreamProducer.from_config(conn, bus, "tasks")

@@ -109,10 +109,11 @@ def test_no_import_circle():
 ROOMS = {
     "rlcommon.config": set(),
     "rlcommon.bus": {"rlcommon.config", "rlcommon.streams", "rlcommon.wire"},
-    "rlcommon.models": {"rlcommon.config", "rlcommon.tasks", "rlcommon.rewards"},
+    "rlcommon.models": {"rlcommon.config", "rlcommon.task"},
 }
-"""The platform's rooms and the only other modules each may import: the config at the bottom (it imports nothing
-of the repository), the bus on the wire format and the stream names, the models on the task and its rewards."""
+"""The platform's rooms and the only other modules (or packages) each may import: the config at the bottom (it
+imports nothing of the repository), the bus on the wire format and the stream names, the models on the task
+package (problems, prompt format, rewards: the warm start trains and measures on the task)."""
 
 
 def _in(module: str, room: str) -> bool:
@@ -124,7 +125,7 @@ def test_each_room_of_the_platform_imports_only_what_it_stands_on(room):
     wrong = sorted(
         f"{module} imports {target}"
         for module, targets in GRAPH.items() if _in(module, room)
-        for target in targets if not _in(target, room) and target not in ROOMS[room]
+        for target in targets if not _in(target, room) and not any(_in(target, allowed) for allowed in ROOMS[room])
     )
     assert not wrong, f"{room} may import only itself and {sorted(ROOMS[room])}:\n" + "\n".join(wrong)
 

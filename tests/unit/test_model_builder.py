@@ -17,8 +17,15 @@ from hypothesis import strategies as st
 
 from rlcommon.config import ModelConfig, TaskConfig
 from rlcommon.models import builder, presets, resolve_model, warm_start
-from rlcommon.models.tokenizer import CHARS, EOS_TOKEN, CharTokenizer, Qwen3CharTokenizer, load_tokenizer
-from rlcommon.tasks import TaskSource
+from rlcommon.models.tokenizer import (
+    CHAR_CHAT_TEMPLATE,
+    CHARS,
+    EOS_TOKEN,
+    CharTokenizer,
+    Qwen3CharTokenizer,
+    load_tokenizer,
+)
+from rlcommon.task import TaskSource
 
 REPO = Path(__file__).resolve().parents[2]
 FEW_STEPS = 4
@@ -369,8 +376,47 @@ def test_default_build_starts_rl_with_signal_but_unsaturated():
 
 def test_special_token_text_is_not_parsed_as_a_special_token(tmp_path):
     tokenizer = CharTokenizer()
-    assert tokenizer.encode("1<eos>2") == [tokenizer.vocab[c] for c in "1<eos>2"]
+    unk = tokenizer.unk_token_id
+    assert tokenizer.encode("1<eos>2") == [tokenizer.vocab.get(c, unk) for c in "1<eos>2"]  # < and >: <unk>
+    assert tokenizer.eos_id not in tokenizer.encode("1<eos>2")
     tokenizer.save(tmp_path)
     loaded = load_tokenizer(tmp_path)
-    assert loaded.encode("<bos>") == [tokenizer.vocab[c] for c in "<bos>"]
-    assert loaded.decode(loaded.encode("a<pad>b")) == "a<pad>b"
+    assert loaded.encode("<bos>") == [tokenizer.vocab.get(c, unk) for c in "<bos>"]
+    assert loaded.decode(loaded.encode("a{pad}b")) == "a{pad}b"
+
+
+OLD_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz \n+-*/=.,?!:;#$%&()'\"_<>"
+"""CHARS before LaTeX: `\\`, `{`, `}`, `^` took the ids of `_`, `<`, `>`, `&` (the other 56 kept theirs)."""
+
+
+def test_latex_characters_took_the_ids_of_four_unused_ones():
+    vocab = CharTokenizer().vocab
+    assert len(CHARS) == len(OLD_CHARS) == 60 and CharTokenizer().vocab_size == 64
+    for old, new in zip("_<>&", "\\{}^", strict=True):
+        assert vocab[new] == 4 + OLD_CHARS.index(old)
+    assert all(vocab[c] == 4 + OLD_CHARS.index(c) for c in OLD_CHARS if c in CHARS)
+    text = "\\boxed{\\frac{3}{4}} x^{2}"
+    assert CharTokenizer().decode(CharTokenizer().encode(text)) == text
+
+
+def test_cache_key_follows_the_characters_the_template_the_data_and_the_prompt(tmp_path, monkeypatch):
+    from rlcommon.config import DataSpec, PromptConfig
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "q", "answer": "1"}\n')
+    cfg = TaskConfig(kind="dataset", data=DataSpec(path=str(data)))
+    kwargs = {"seed": 0, "warm_start_steps": 1, "target_reward": 0.3}
+    before = builder._settings("tiny", task_cfg=cfg, **kwargs)
+    assert before["chars"] == CHARS and before["chat_template"] == CHAR_CHAT_TEMPLATE
+    assert builder._settings("qwen3-0.6b-L2", task_cfg=cfg, **kwargs)["chars"] == CHARS
+    system = cfg.model_copy(update={"prompt": PromptConfig(system="be brief.")})
+    assert builder._settings("tiny", task_cfg=system, **kwargs) != before
+    data.write_text('{"question": "q", "answer": "2"}\n')
+    assert builder._settings("tiny", task_cfg=cfg, **kwargs) != before
+    monkeypatch.setattr(builder, "CHARS", CHARS[::-1])
+    assert builder._settings("tiny", task_cfg=TaskConfig(), **kwargs)["chars"] == CHARS[::-1]
+
+
+def test_the_built_folder_carries_the_chat_template(built):
+    config = json.loads((built / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAR_CHAT_TEMPLATE

@@ -10,7 +10,7 @@ import torch
 from benchmarks.inprocess import generate_rollouts_hf
 from benchmarks.run_figures import steady_figures
 from rlcommon.config import ModelConfig, RunConfig, TaskConfig
-from rlcommon.tasks import TaskSource
+from rlcommon.task import TaskSource
 from rlcommon.wire import validate
 
 REPO_CACHE = str(Path(__file__).resolve().parents[2] / ".cache" / "models")

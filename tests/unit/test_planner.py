@@ -13,7 +13,7 @@ from rlcommon.bus import RedisConnection, StreamProducer, stream_key
 from rlcommon.config import TaskConfig
 from rlcommon.models.tokenizer import CharTokenizer
 from rlcommon.plan_ids import task_id_of
-from rlcommon.tasks import TaskSource
+from rlcommon.task import TaskSource
 
 B, G = 3, 4
 

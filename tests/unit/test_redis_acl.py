@@ -314,3 +314,34 @@ def test_the_trainer_keeps_token_statistics_the_coordinator_reads_and_the_sample
     assert [f[b"d"] for _, f in coordinator.call(lambda r: r.xrevrange(tokens, count=10))] == [b"batch 2", b"batch 1"]
     refused(sampler, "XADD", tokens, "*", "d", "x")
     refused(trainer, "XADD", TASKS, "*", "d", "x")
+
+
+def test_evaluation_runs_with_each_users_rights_and_no_more(connect, admin, tmp_path):
+    """Eval rounds (trainer_svc/evaluation.py) as the trainer user: it writes the eval tasks (and the samplers'
+    group on them), reads, acks and trims the results, records rounds and rows; the sampler user takes eval tasks,
+    answers them, acks, claims a dead sampler's; the coordinator user reads the records (ListEvals). The sampler
+    can neither forge eval tasks nor records, nor trim; the trainer cannot answer eval tasks for the samplers."""
+    from coordinator.evals import read_evals
+    from rlcommon.streams import EVAL_RESULTS, EVAL_ROWS, EVALS, run_key
+    from tests.unit.test_trainer_evals import FakeSampler, trainer_evals
+
+    trainer, sampler, coordinator = connect("trainer"), connect("sampler"), connect("coordinator")
+    cfg = RunConfig.model_validate({"bus": BUS.model_dump(), "eval": {"every_versions": 2, "n": 2}})
+    evals = trainer_evals(cfg, trainer, tmp_path)
+    evals.plan(2, step=3, reason="test")
+    dead, alive = FakeSampler(sampler, cfg, "dead"), FakeSampler(sampler, cfg, "alive")
+    assert len(dead.take()) == 4
+    time.sleep(0.3)  # past claim_idle_ms: the dead sampler's eval tasks go to another
+    alive.answer(alive.take())
+    assert evals.poll(step=3, force=True) == 2
+    views, rounds = read_evals(coordinator, RUN)
+    assert rounds == 1 and [(v.eval_set, v.complete) for v in views] == [("easy", True), ("hard", True)]
+    evals_key, results_key = stream_key(RUN, EVALS), stream_key(RUN, EVAL_RESULTS)
+    refused(sampler, "XADD", evals_key, "*", "d", "forged")
+    refused(sampler, "HSET", run_key(RUN, EVAL_ROWS), "2/easy", "{}")
+    refused(sampler, "XTRIM", results_key, "MAXLEN", 0)
+    refused(sampler, "XTRIM", evals_key, "MAXLEN", 0)
+    refused(trainer, "XADD", results_key, "*", "d", "forged")
+    refused(trainer, "XACK", evals_key, "samplers", "0-1")
+    refused(coordinator, "XADD", evals_key, "*", "d", "forged")
+    assert admin.xlen(DEADLETTER) == 0

@@ -364,6 +364,33 @@ def test_a_reissued_task_samples_only_its_slots_with_their_group_seeds():
     assert [r.sample_index for r in plain] == [0, 1, 2, 3] and {r.weight_version for r in plain} == {4}
 
 
+def test_rollouts_carry_the_reward_components_and_the_failed_calls():
+    """Scored by a RewardRunner (real worker processes): each rollout has the weighted total, every component's
+    value, and `timings["reward_failures"]` when a component failed; the inline path scores the kind's default."""
+    from rlcommon.config import RewardConfig
+    from sampler_svc.reward_runner import RewardRunner
+
+    cfg = RewardConfig(components=[{"name": "exact"}, {"name": "tests.reward_fns:raises"},
+                                   {"name": "overlong", "weight": 0.5, "params": {"buffer": 8}}])
+    task = dataclasses.replace(make_task(), group_size=2)
+
+    async def scenario():
+        runner = await RewardRunner(cfg, kinds=["arithmetic"]).start()
+        try:
+            return await generate_rollouts(ScriptedEngine(), task, sampler_id="s1", rewards=runner)
+        finally:
+            await runner.stop()
+
+    rollouts = asyncio.run(scenario())
+    decoded = [decode(encode(r), expected=Rollout) for r in rollouts]
+    for rollout in decoded:
+        assert rollout.reward_components == {"exact": 1.0, "tests.reward_fns:raises": 0.0, "overlong": 0.0}
+        assert rollout.reward == 1.0 and rollout.timings["reward_failures"] == 1.0
+    plain = asyncio.run(generate_rollouts(ScriptedEngine(), task, sampler_id="s1"))
+    assert [(r.reward, r.reward_components) for r in plain] == [(1.0, {"exact": 1.0})] * 2
+    assert "reward_failures" not in plain[0].timings
+
+
 def test_task_seed_is_deterministic_and_spread():
     assert task_seed(0, "b1-g1") == task_seed(0, "b1-g1")
     seeds = {task_seed(0, f"b{b}-g{g}") for b in range(50) for g in range(8)}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlcommon.config import METHODS, CorrectionConfig, TrainerConfig
-from rlcommon.step_stats import STATS
+from rlcommon.step_stats import describe
 from tests.unit.trainer_helpers import ForwardCounter, is_tied, make_rollouts, tiny_model
 from trainer_svc.batch import build_batch, group_advantages
 from trainer_svc.parallel import full_value
@@ -123,7 +123,7 @@ def test_every_method_trains_and_reports_the_design_metrics(method, tied):
     result = train_step.train_on(make_rollouts())
     assert not result.skipped and result.skip_reason is None
     assert set(REQUIRED_METRICS) <= set(result.metrics)
-    unnamed = set(result.metrics) - set(STATS)
+    unnamed = {name for name in result.metrics if describe(name) is None}
     assert not unnamed, f"statistics made without a name in rlcommon/step_stats.py: {sorted(unnamed)}"
     assert all(isinstance(v, float) and math.isfinite(v) for v in result.metrics.values()), result.metrics
     assert result.metrics["skipped"] == 0.0
@@ -406,3 +406,111 @@ def test_a_step_on_responses_spanning_versions(tied):
     row_lag = lag[row, : len(versions)]
     assert torch.all(row_lag[torch.from_numpy(versions == 2)] == 0) and torch.all(row_lag[:2] != 0)
     assert is_tied(model) == tied
+
+
+# ---------------------------------------------------------------------------------------------- truncation
+
+
+def truncated(rollouts, rows):
+    """`rollouts` with those at `rows` cut at max_tokens (finish_reason "length")."""
+    return [dataclasses.replace(r, finish_reason="length") if i in rows else r for i, r in enumerate(rollouts)]
+
+
+TRUNCATED_ROWS = {1, 2, 4}
+"""Two of group 0's four responses, one of group 1's."""
+
+
+def test_group_advantages_leave_the_excluded_rows_out_of_their_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    included = torch.tensor([True, True, False, False, False, True])
+    std = math.sqrt(0.5)  # sample std of (1, 0)
+    expected = [0.5 / (std + 1e-6), -0.5 / (std + 1e-6), 0.0, 0.0, 0.0, 0.0]  # group 1: one row left
+    torch.testing.assert_close(group_advantages(rewards, groups, included=included), torch.tensor(expected))
+    nobody = torch.zeros(6, dtype=torch.bool)
+    assert group_advantages(rewards, groups, included=nobody).tolist() == [0.0] * 6
+
+
+def test_truncation_keep_trains_a_cut_response_as_it_is():
+    rollouts = truncated(make_rollouts(), TRUNCATED_ROWS)
+    batch, plain = build_batch(rollouts), build_batch(make_rollouts())
+    assert batch.truncated.tolist() == [i in TRUNCATED_ROWS for i in range(8)]
+    assert torch.equal(batch.trained_mask, batch.response_mask)
+    assert torch.equal(batch.rewards, plain.rewards) and torch.equal(batch.advantages, plain.advantages)
+
+
+def test_truncation_mask_takes_cut_responses_out_of_the_loss_and_the_baseline():
+    rollouts = truncated(make_rollouts(rewards=[1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]), TRUNCATED_ROWS)
+    batch = build_batch(rollouts, truncation="mask")
+    rows = torch.tensor(sorted(TRUNCATED_ROWS))
+    assert not batch.trained_mask[rows].any()
+    kept = torch.tensor([i for i in range(8) if i not in TRUNCATED_ROWS])
+    assert torch.equal(batch.trained_mask[kept], batch.response_mask[kept])
+    assert batch.advantages[rows].tolist() == [0.0, 0.0, 0.0]
+    std0, std1 = math.sqrt(0.5), math.sqrt(1 / 3)  # group 0 keeps (1, 0); group 1 keeps (1, 1, 0)
+    expected = [0.5 / (std0 + 1e-6), -0.5 / (std0 + 1e-6), (1 / 3) / (std1 + 1e-6), (1 / 3) / (std1 + 1e-6),
+                (-2 / 3) / (std1 + 1e-6)]
+    torch.testing.assert_close(batch.advantages[kept], torch.tensor(expected))
+    assert torch.equal(batch.rewards, build_batch(rollouts).rewards)  # the rewards themselves stay
+
+
+def test_truncation_penalty_replaces_a_cut_responses_reward():
+    rollouts = truncated(make_rollouts(rewards=[1.0] * 8), TRUNCATED_ROWS)
+    batch = build_batch(rollouts, truncation="penalty", overlong_penalty=-0.5)
+    assert batch.rewards.tolist() == [-0.5 if i in TRUNCATED_ROWS else 1.0 for i in range(8)]
+    torch.testing.assert_close(batch.advantages, group_advantages(batch.rewards, batch.group_ids))
+    assert torch.equal(batch.trained_mask, batch.response_mask)
+    with pytest.raises(ValueError, match="truncation must be one of keep, mask, penalty"):
+        build_batch(rollouts, truncation="drop")
+
+
+def step_once(rollouts, *, tied, method, **config):
+    model = tiny_model(tied=tied)
+    result = TrainStep(model, config=TrainerConfig(method=method, **config)).train_on(rollouts)
+    return params_of(model), result
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_masked_truncation_steps_as_if_the_cut_responses_were_never_sampled(method, tied):
+    """`mask`, for every method: the step equals the step on the batch without the truncated responses (no
+    loss on their tokens, no share in the token mean, the ESS, M2PO's mask or their group's baseline)."""
+    rollouts = truncated(make_rollouts(seed=3), TRUNCATED_ROWS)
+    masked, result = step_once(rollouts, tied=tied, method=method, truncation="mask")
+    kept = [r for i, r in enumerate(rollouts) if i not in TRUNCATED_ROWS]
+    without, reference = step_once(kept, tied=tied, method=method)
+    for name, value in masked.items():
+        torch.testing.assert_close(value, without[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert result.metrics["tokens"] == reference.metrics["tokens"]
+    assert result.metrics["ess_lag"] == pytest.approx(reference.metrics["ess_lag"], rel=1e-6)
+    assert result.metrics["truncated_frac"] == len(TRUNCATED_ROWS) / 8 and reference.metrics["truncated_frac"] == 0
+
+
+@pytest.mark.parametrize("truncation", ["keep", "penalty"])
+def test_keep_and_penalty_step_on_the_rewards_they_say(truncation, tied):
+    """`keep` is the step without any truncation handling; `penalty` the step on the penalised rewards."""
+    rollouts = truncated(make_rollouts(seed=5), TRUNCATED_ROWS)
+    params, result = step_once(rollouts, tied=tied, method="dlc", truncation=truncation, overlong_penalty=-2.0)
+    stopped = [dataclasses.replace(r, finish_reason="stop") for r in rollouts]
+    if truncation == "penalty":
+        stopped = [dataclasses.replace(r, reward=-2.0) if i in TRUNCATED_ROWS else r for i, r in enumerate(stopped)]
+    reference, expected = step_once(stopped, tied=tied, method="dlc")
+    for name, value in params.items():
+        assert torch.equal(value, reference[name]), name
+    assert result.metrics["reward_mean"] == expected.metrics["reward_mean"]
+    assert result.metrics["truncated_frac"] == 3 / 8
+
+
+def test_reward_components_and_failures_are_step_statistics():
+    """`reward/<name>`: the batch mean of each component (a rollout without it counts 0); `reward_failures`: the
+    failed calls the samplers counted; every one described by rlcommon/step_stats.py."""
+    rollouts = make_rollouts()
+    rollouts = [dataclasses.replace(r, reward_components={"math_verify": float(i % 2), "format": 1.0},
+                                    timings={"reward_failures": 1.0} if i == 3 else {})
+                for i, r in enumerate(rollouts)]
+    rollouts[0] = dataclasses.replace(rollouts[0], reward_components={"format": 1.0, "mod:fn/short": 0.5})
+    result = TrainStep(tiny_model(tied=False), config=TrainerConfig(method="dlc")).train_on(rollouts)
+    metrics = result.metrics
+    assert metrics["reward/math_verify"] == 4 / 8 and metrics["reward/format"] == 1.0
+    assert metrics["reward/mod:fn/short"] == 0.5 / 8 and metrics["reward_failures"] == 1.0
+    assert all(describe(name) is not None for name in metrics)
+    assert describe("reward/format").unit == "reward"

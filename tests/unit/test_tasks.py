@@ -1,13 +1,27 @@
-"""Tasks: deterministic problems by (seed, index), a fixed eval set, difficulty levels, the JSONL loader."""
+"""Tasks: deterministic problems by (seed, index), a fixed eval set, difficulty levels, the JSONL kind, the
+prompt format on every kind, epochs of a data set."""
 
 import json
+import logging
 import re
 
 import pytest
 
-from rlcommon.config import TaskConfig
-from rlcommon.rewards import reward
-from rlcommon.tasks import ARITHMETIC_LEVELS, Problem, TaskSource, extract_final_answer, load_jsonl
+from rlcommon.config import PromptConfig, TaskConfig
+from rlcommon.models.presets import preset_chat_template
+from rlcommon.task import Problem, TaskSource, extras_of
+from rlcommon.task.data import extract_final_answer
+from rlcommon.task.prompt import PromptFormatter
+from rlcommon.task.rewards import reward
+from rlcommon.task.toy import ARITHMETIC_LEVELS
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    """`datasets` caches what it reads under the test's folder, not the user's HF_HOME."""
+    from datasets import config
+
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
 
 
 def problems(cfg: TaskConfig, count: int = 50) -> list[Problem]:
@@ -89,6 +103,42 @@ def test_bad_index(index):
 def test_payload():
     problem = Problem(prompt="3+4=", answer="7", kind="arithmetic")
     assert problem.payload() == {"answer": "7", "kind": "arithmetic"}
+    assert extras_of(problem.payload()) == {}
+    with_extras = Problem(prompt="p", answer="1", kind="dataset", extras={"level": "2", "unit": "cm"})
+    payload = with_extras.payload()
+    assert payload == {"answer": "1", "kind": "dataset", "extras": '{"level": "2", "unit": "cm"}'}
+    assert extras_of(payload) == {"level": "2", "unit": "cm"}
+    assert hash(with_extras)  # problems are hashable (extras are not part of the hash)
+    for bad in ("[1]", "{", '{"a": 1}'):
+        with pytest.raises(ValueError, match="extras"):
+            extras_of({"extras": bad})
+
+
+@pytest.mark.parametrize("kind", ["arithmetic", "reverse", "reverse_long"])
+def test_toy_kinds_keep_their_prompts_in_the_raw_format(kind):
+    """The raw format with the default template is the question itself: the toy streams are what they were."""
+    source = TaskSource(TaskConfig(kind=kind))
+    for index in range(20):
+        problem = source.problem(index)
+        assert problem.prompt == problem.question
+        assert problem.source == f"{kind}:train:0:{index}"
+
+
+def test_toy_kinds_in_the_chat_format():
+    """A toy kind is an instance of the same path: the chat format wraps its questions in the template."""
+    cfg = TaskConfig(prompt=PromptConfig(format="chat", system="be brief."))
+    template = preset_chat_template("tiny")
+    formatter = PromptFormatter(cfg.prompt, template.template, kind=cfg.kind, special_tokens=template.special_tokens)
+    raw, chat = TaskSource(TaskConfig()).problem(3), TaskSource(cfg, formatter=formatter).problem(3)
+    assert chat.question == raw.prompt and chat.answer == raw.answer
+    assert chat.prompt == f"system: be brief.\nuser: {raw.prompt}\nassistant: "
+    with pytest.raises(ValueError, match="no chat template"):
+        TaskSource(cfg)  # the chat format needs the model's template
+
+
+def test_raw_format_with_a_system_prompt_and_template():
+    cfg = TaskConfig(prompt=PromptConfig(system="add.", template="q: {question} {unknown} {}"))
+    assert TaskSource(cfg).problem(0).prompt == "add.\nq: 4+3= {unknown} {}"
 
 
 # --------------------------------------------------------------------------------------------------- JSONL
@@ -122,17 +172,22 @@ def gsm8k_rows(count):
 
 
 def test_jsonl_loader_and_split(tmp_path):
-    path = write_jsonl(tmp_path / "gsm.jsonl", [*gsm8k_rows(10), "", {"question": "Q?", "answer": 3}])
-    rows = load_jsonl(path)
-    assert len(rows) == 11
-    assert rows[0] == Problem(
-        prompt="Question: Tom has 0 apples and buys 2. How many?\nAnswer:", answer="2", kind="jsonl"
-    )
-    assert rows[-1].answer == "3"
+    # A blank line is not a row; a number is an answer (datasets cannot read a file with both a blank line and a
+    # column mixing strings and numbers: the number is written as text here).
+    path = write_jsonl(tmp_path / "gsm.jsonl", [*gsm8k_rows(10), "", {"question": " Q? ", "answer": "3"}])
     cfg = TaskConfig(kind="jsonl", path=str(path), eval_size=4)
     source = TaskSource(cfg)
+    rows = [source.problem(i) for i in range(7)] + source.eval_set()
+    assert len(set(rows)) == 11
+    first = next(p for p in rows if p.source == f"{path}:1")
+    assert (first.prompt, first.answer, first.kind) == (
+        "Question: Tom has 0 apples and buys 2. How many?\nAnswer:", "2", "jsonl"
+    )
+    last = next(p for p in rows if p.source == f"{path}:11")  # the blank line is not a row
+    assert (last.prompt, last.answer, last.question) == ("Question: Q?\nAnswer:", "3", "Q?")
     eval_set = source.eval_set()
-    assert len(eval_set) == 4
+    assert len(eval_set) == 4 and source.eval_sets() == {"eval": eval_set}
+    assert source.epoch_seed(2) == "jsonl:0:epoch:2"
     epoch = [source.problem(i) for i in range(7)]
     assert sorted(p.prompt for p in epoch + eval_set) == sorted(p.prompt for p in rows)  # disjoint, complete
     assert sorted(p.prompt for p in (source.problem(i) for i in range(7, 14))) == sorted(
@@ -145,6 +200,14 @@ def test_jsonl_loader_and_split(tmp_path):
     assert reward("jsonl", "He has 5 apples.", TaskSource(cfg).problem(0).answer) in (0.0, 1.0)
 
 
+def test_jsonl_numbers_as_answers(tmp_path):
+    path = write_jsonl(tmp_path / "n.jsonl", [*gsm8k_rows(3), {"question": "Q?", "answer": 3},
+                                              {"question": "R?", "answer": 2.5}, {"question": "S?", "answer": 4.0}])
+    source = TaskSource(TaskConfig(kind="jsonl", path=str(path), eval_size=1))
+    answers = {p.question: p.answer for p in [*source.eval_set(), *(source.problem(i) for i in range(5))]}
+    assert {answers["Q?"], answers["R?"], answers["S?"]} == {"3", "2.5", "4"}
+
+
 def test_jsonl_eval_set_at_most_half_of_a_small_file(tmp_path):
     path = write_jsonl(tmp_path / "small.jsonl", gsm8k_rows(5))
     source = TaskSource(TaskConfig(kind="jsonl", path=str(path), eval_size=64))
@@ -152,21 +215,33 @@ def test_jsonl_eval_set_at_most_half_of_a_small_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("line", "message"),
+    ("line", "reason"),
     [
-        ('{"question": "Q?", "answer": "1"', r"bad\.jsonl:3: not valid JSON"),
-        ('{"answer": "1"}', r"bad\.jsonl:3: missing field 'question'"),
-        ('{"question": "Q?"}', r"bad\.jsonl:3: missing field 'answer'"),
-        ('["Q?", "1"]', r"bad\.jsonl:3: expected a JSON object"),
-        ('{"question": "", "answer": "1"}', r"bad\.jsonl:3: 'question' must be a non-empty string"),
-        ('{"question": "Q?", "answer": null}', r"bad\.jsonl:3: 'answer' must be a string or a number"),
-        ('{"question": "Q?", "answer": "#### lots"}', r"bad\.jsonl:3: no numeric final answer"),
+        ('{"answer": "1"}', "missing field 'question'"),
+        ('{"question": "Q?"}', "missing field 'answer'"),
+        ('{"question": "", "answer": "1"}', "'question' is empty"),
+        ('{"question": 7, "answer": "1"}', "'question' must be a string, got int"),
+        ('{"question": "Q?", "answer": null}', "missing field 'answer'"),
+        ('{"question": "Q?", "answer": [1]}', "'answer' must be a string or a number, got list"),
+        ('{"question": "Q?", "answer": "#### lots"}', "no numeric final answer"),
     ],
 )
-def test_bad_jsonl_names_file_and_line(tmp_path, line, message):
+def test_malformed_jsonl_rows_are_skipped_counted_and_logged_once(tmp_path, caplog, line, reason):
+    path = write_jsonl(tmp_path / "bad.jsonl", [*gsm8k_rows(2), line, *gsm8k_rows(3), line])
+    with caplog.at_level(logging.WARNING, logger="rlcommon.task.data"):
+        source = TaskSource(TaskConfig(kind="jsonl", path=str(path), eval_size=1))
+    assert source.dropped["train/malformed"] == 2
+    assert len(source.eval_set()) + len({source.problem(i) for i in range(4)}) == 5
+    lines = [r.getMessage() for r in caplog.records if r.name == "rlcommon.task.data"]
+    assert len(lines) == 1 and f"{path}: skipped 2 malformed row(s) of 7" in lines[0]
+    assert f"row 3: {reason}" in lines[0]
+
+
+@pytest.mark.parametrize("line", ['{"question": "Q?", "answer": "1"', '["Q?", "1"]'])
+def test_a_file_that_is_not_json_lines_is_a_start_up_error_naming_it(tmp_path, line):
     path = write_jsonl(tmp_path / "bad.jsonl", [*gsm8k_rows(2), line])
-    with pytest.raises(ValueError, match=message):
-        load_jsonl(path)
+    with pytest.raises(ValueError, match=rf"task\.path: {re.escape(str(path))} is not a data set \(ArrowInvalid"):
+        TaskSource(TaskConfig(kind="jsonl", path=str(path)))
 
 
 def test_missing_or_tiny_jsonl(tmp_path):

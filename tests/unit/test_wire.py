@@ -13,8 +13,10 @@ import pytest
 from rlcommon.config import WireLimits
 from rlcommon.wire import (
     LOGPROB_TOLERANCE,
+    MAX_COMPONENT_KEY_CHARS,
     MAX_DICT_ITEMS,
     MAX_ID_CHARS,
+    MAX_REWARD_COMPONENTS,
     MAX_VERSION_CHANGES,
     SCHEMA_VERSION,
     Rollout,
@@ -346,6 +348,50 @@ def test_rollout_version_runs_round_trip_and_give_each_tokens_version():
     assert old.version_runs == () and old.versions == (4,) and old.token_versions().tolist() == [4] * 8
 
 
+def test_rollout_reward_components_round_trip_and_are_not_sent_when_empty():
+    """Like `timings`: a map of finite floats by name; an empty one is not sent, so an older decoder reads the
+    message as before, and a message without it decodes to {}."""
+    rollout = make_rollout(reward_components={"math_verify": 1.0, "format": 0.0, "mod:fn/length": -0.25})
+    out = decode(encode(rollout), expected=Rollout)
+    assert out.reward_components == {"math_verify": 1.0, "format": 0.0, "mod:fn/length": -0.25}
+    assert wire_dict(rollout)["reward_components"] == out.reward_components
+    plain = wire_dict(make_rollout())
+    assert "reward_components" not in plain
+    assert decode(repack(plain), expected=Rollout).reward_components == {}
+    validate(rollout)
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ({"format": "yes"}, "reward_components.format"),
+        ({"format": float("nan")}, "reward_components.format"),
+        ({"format": float("inf")}, "reward_components.format"),
+        ({"format": True}, "reward_components.format"),
+        ({"": 1.0}, "reward_components key"),
+        ({"x" * (MAX_COMPONENT_KEY_CHARS + 1): 1.0}, "reward_components key"),
+        ({f"c{i}": 0.0 for i in range(MAX_REWARD_COMPONENTS + 1)}, "reward_components"),
+        ([1.0], "reward_components"),
+        ({"format": {"nested": 1.0}}, "reward_components.format"),
+    ],
+)
+def test_bad_reward_components_are_refused_naming_the_field(value, field):
+    body = wire_dict(make_rollout())
+    body["reward_components"] = value
+    expect_error(repack(body), field)
+    if isinstance(value, dict) and not any(isinstance(v, dict) for v in value.values()):
+        with pytest.raises(WireError) as err:  # the producer's check refuses the same
+            validate(make_rollout(reward_components=value))
+        assert err.value.field.startswith("reward_components")
+
+
+def test_a_longest_legal_reward_component_name_fits_a_step_statistic():
+    """The trainer logs each component as `reward/<name>`; the coordinator takes statistic names up to 128."""
+    assert len("reward/") + MAX_COMPONENT_KEY_CHARS <= 128
+    name = "x" * MAX_COMPONENT_KEY_CHARS
+    assert decode(encode(make_rollout(reward_components={name: 0.5}))).reward_components == {name: 0.5}
+
+
 @pytest.mark.parametrize(
     ("runs", "reason"),
     [
@@ -635,6 +681,8 @@ CRAFTED = {
     "unknown array field": lambda: _with(make_rollout(), junk=[0] * 2_000_000),
     "unknown map field": lambda: _with(make_rollout(), junk={str(i): 0 for i in range(300_000)}),
     "timings of 300k entries": lambda: _with(make_rollout(), timings={str(i): 0.0 for i in range(300_000)}),
+    "reward_components of 300k entries": lambda: _with(
+        make_rollout(), reward_components={str(i): 0.0 for i in range(300_000)}),
     "payload of 300k entries": lambda: _with(make_task(), payload={str(i): 0 for i in range(300_000)}),
     "array shape of 2M dims": lambda: _with(
         make_rollout(), prompt_ids={"dtype": "<i4", "shape": [0] * 2_000_000, "data": b""}
@@ -704,7 +752,8 @@ def test_the_largest_legal_rollout_fits_the_derived_max_message_bytes(limits):
         num_tokens=r, k=k, prompt_ids=np.zeros(p, np.int32), response_ids=response,
         topk_ids=response[:, None] + np.arange(k, dtype=np.int32) * r,
         rollout_id=longest_id, sampler_id=longest_id, finish_reason=longest_id,
-        timings={"\U0001f600" * (MAX_ID_CHARS - 3) + f"{i:03d}": 1e300 for i in range(MAX_DICT_ITEMS)},
+        timings={chr(0x1F300 + i) * MAX_ID_CHARS: 1e300 for i in range(MAX_DICT_ITEMS)},  # 4 UTF-8 bytes each
+        reward_components={chr(0x1F300 + i) * MAX_COMPONENT_KEY_CHARS: 1e300 for i in range(MAX_REWARD_COMPONENTS)},
         batch_id=2**63 - 1, group_id=2**63 - 1, sample_index=2**63 - 1, weight_version=2**63 - 1 - MAX_VERSION_CHANGES,
         version_runs=tuple(x for i in range(1, min(MAX_VERSION_CHANGES, r - 1) + 1)
                            for x in (r - min(MAX_VERSION_CHANGES, r - 1) - 1 + i, 2**63 - 1 - MAX_VERSION_CHANGES + i)),

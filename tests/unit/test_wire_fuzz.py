@@ -68,6 +68,7 @@ def rollouts(draw) -> Rollout:
         top_p=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
         top_k=draw(st.integers(-1, 1000)),
         timings=draw(st.dictionaries(ids_text, finite, max_size=3)),
+        reward_components=draw(st.dictionaries(ids_text, finite, max_size=3)),
     )
 
 
