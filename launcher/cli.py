@@ -34,7 +34,7 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     cfg = load_config(RunConfig, paths, rest)
     # A reward function that cannot be imported, or a column it needs that the data lacks: refused here, before
     # the stack starts (each sampler checks again where it runs).
-    check_reward_config(cfg.reward, cfg.task)
+    check_reward_config(cfg.reward, cfg.task, pass_component=cfg.eval.pass_component)
     if args.fresh:
         cfg.run_dir = str(fresh_run_dir(cfg.run_dir))
     if cfg.coordinator.total_batches is None:

@@ -33,6 +33,14 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return xs, ys
 
 
+def reward_curves(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The curves of reward.png: the total, and each component's batch mean (`reward/<name>`) when the reward has
+    more than one (a single built-in component is the total itself)."""
+    components = sorted({key for row in rows if not is_eval_row(row) for key in row if key.startswith("reward/")})
+    several = len(components) > 1 or any("/" in key.removeprefix("reward/") for key in components)
+    return [(REWARD_MEAN, "reward"), *((key, key) for key in components if several)]
+
+
 def plot_run(
     *,
     rows: list[dict[str, Any]],
@@ -40,7 +48,8 @@ def plot_run(
     out_dir: str | Path,
     ess_threshold: float = 0.5,
 ) -> list[Path]:
-    """Write reward.png, ess_lag.png, staleness.png and response_length.png; returns their paths."""
+    """Write reward.png (the total and each reward component), ess_lag.png, staleness.png and response_length.png
+    (and eval.png with eval rows); returns their paths."""
     plt = _pyplot()
 
     out = Path(out_dir)
@@ -70,7 +79,7 @@ def plot_run(
         plt.close(fig)
         written.append(path)
 
-    figure("reward", "Mean reward per step", "reward", [(REWARD_MEAN, "reward")])
+    figure("reward", "Mean reward per step", "reward", reward_curves(rows))
     figure(ESS_LAG, "ESS of the lag ratio", "ess", [(ESS_LAG, ESS_LAG), (ESS_FULL, ESS_FULL)], ess_threshold)
     figure("staleness", "Staleness (trainer version - rollout version)", "versions",
            [(STALENESS_MEAN, "mean (versions)"), (STALENESS_MAX, "max (versions)"),

@@ -96,7 +96,7 @@ class SamplerService:
     async def start(self) -> SamplerService:
         cfg = self.cfg
         # First: a reward that cannot be imported, or that needs a column the data lacks, fails in a second.
-        check_reward_config(cfg.reward, cfg.task)
+        check_reward_config(cfg.reward, cfg.task, pass_component=cfg.eval.pass_component)
         self.metrics = MetricsSink(service="sampler")
         self.rewards = await RewardRunner(cfg.reward, kinds=[cfg.task.kind], metrics=self.metrics).start()
         if self.fetcher is not None:  # no shared storage: the starting model comes from the weight server too

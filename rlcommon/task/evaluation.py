@@ -5,8 +5,9 @@ A sample *passes* when its reward, or the value of the reward component `eval.pa
 `eval.pass_threshold` (1.0: a right answer under the 0/1 rewards). pass@k is the unbiased estimator of Chen et
 al. 2021 (Evaluating Large Language Models Trained on Code, eq. 1): with c passing samples of n,
 pass@k = 1 - C(n - c, k) / C(n, k), averaged over the problems; pass@1 is then the mean pass rate. avg@n is
-the mean reward of all n samples of every problem (with a 0/1 reward: the mean accuracy, as the papers'
-avg@32 on AIME).
+the mean score of all n samples of every problem, the score being `eval.pass_component`'s value when it is set
+(the verifier alone: a format bonus beside it does not count as accuracy), else the total reward (with a 0/1
+reward: the mean accuracy, as the papers' avg@32 on AIME).
 
 The metrics of set S go into a metrics row as `eval/<S>/<name>` (`metric_key`); `EVAL_METRICS` says what each
 name means.
@@ -25,7 +26,8 @@ EVAL_VERSION_KEY = "eval_version"
 """The key that marks an eval row of metrics.jsonl (the version it evaluates); step rows lack it."""
 
 EVAL_METRICS: dict[str, str] = {
-    "avg@n": "mean reward of the n samples of every problem (the key spells the run's n: avg@4)",
+    "avg@n": "mean score (pass_component's value, else the reward) of the n samples of every problem (the key "
+             "spells the run's n: avg@4)",
     "pass@1": "mean pass rate of the samples (the unbiased pass@1)",
     "pass@n": "problems with at least one passing sample among their n (the key spells n: pass@4)",
     "response_length": "mean response length in tokens",
@@ -96,7 +98,7 @@ def score_set(
 
     passing = [sum(passes(s, threshold=threshold, component=component) for s in group) for group in problems]
     metrics = {
-        f"avg@{n}": mean([s.reward for s in samples]),
+        f"avg@{n}": mean([s.components.get(component, 0.0) if component else s.reward for s in samples]),
         "pass@1": mean([pass_at_k(n, c, 1) for c in passing]),
         f"pass@{n}": mean([pass_at_k(n, c, n) for c in passing]),
         "response_length": mean([float(s.num_tokens) for s in samples]),

@@ -278,10 +278,16 @@ def check_components(components: Sequence[RewardComponent], available_columns: S
                               f"the data does not carry ({where}: {have}); add them to {where}")
 
 
-def check_reward_config(reward: RewardConfig, task: TaskConfig) -> None:
+def check_reward_config(reward: RewardConfig, task: TaskConfig, *, pass_component: str | None = None) -> None:
     """`check_components` of the run's reward against the training data and each eval set (what the sampler and
-    the launcher run at start-up)."""
+    the launcher run at start-up), and that `eval.pass_component`, when set, is one of the reward's components (a
+    user function's dict entries as `<name>/<key>`): a misspelt one would score every eval sample as failing."""
     components = components_for(reward.components, task.kind)
+    if pass_component is not None:
+        names = [c.name for c in components]
+        if not any(pass_component == name or pass_component.startswith(f"{name}/") for name in names):
+            raise ConfigError(f"eval.pass_component = {pass_component!r} is not a reward component of this run "
+                              f"({', '.join(names)}; a user function's dict entries are '<name>/<key>')")
     check_components(components, task.data.extra_fields if task.data is not None else [])
     for index, eval_set in enumerate(task.eval_sets):
         check_components(components, eval_set.extra_fields, where=f"task.eval_sets[{index}].extra_fields "

@@ -339,6 +339,21 @@ def test_the_runs_reward_is_checked_against_the_training_data_and_each_eval_set(
         check_reward_config(cfg.reward, cfg.task)
 
 
+def test_eval_pass_component_must_be_a_component_of_the_reward():
+    from rlcommon.task.rewards import check_reward_config
+
+    cfg = load_config(RunConfig, [], {"reward": {"components": [{"name": "math_verify"}, {"name": "format"}]}})
+    check_reward_config(cfg.reward, cfg.task, pass_component="math_verify")
+    with pytest.raises(ConfigError, match=r"eval.pass_component = 'math_verfy' is not a reward component"):
+        check_reward_config(cfg.reward, cfg.task, pass_component="math_verfy")
+    default = load_config(RunConfig, [], {"task": {"kind": "reverse_long"}})  # the kind's default: char_accuracy
+    check_reward_config(default.reward, default.task, pass_component="char_accuracy")
+    user = load_config(RunConfig, [], {
+        "task": {"kind": "dataset", "data": {"path": "train.jsonl", "extra_fields": ["solution"]}},
+        "reward": {"components": [{"name": f"{USER}:with_solution"}]}})
+    check_reward_config(user.reward, user.task, pass_component=f"{USER}:with_solution/right")
+
+
 def test_the_launcher_refuses_a_reward_that_cannot_be_imported_before_anything_starts(capsys, tmp_path):
     from launcher.cli import early_exit
 
