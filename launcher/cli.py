@@ -14,6 +14,7 @@ from launcher.lifecycle import RunDirInUseError, RunDirLock
 from launcher.run_folder import RunFinishedError, check_not_finished, fresh_run_dir
 from rlcommon.config import ConfigError, RunConfig, load_config
 from rlcommon.task.rewards import check_reward_config
+from rlcommon.task.source import check_data
 
 __all__ = ["early_exit", "parse_args"]
 
@@ -54,6 +55,11 @@ def early_exit(argv: list[str]) -> int | None:
         return 2
     except SystemExit as stop:  # --help, or argparse's own usage error
         return int(stop.code or 0)
+    try:  # the task's data: a missing file or hub data set, or one with no usable row, named before anything starts
+        check_data(cfg.task)
+    except ValueError as err:
+        print(f"launcher: {err}", file=sys.stderr)
+        return 2
     try:
         check_not_finished(cfg.run_dir, cfg.steps)
         if (Path(cfg.run_dir) / "launcher.lock").exists():

@@ -33,9 +33,24 @@ from rlcommon.task.problem import Problem
 from rlcommon.task.prompt import PromptFormatter
 from rlcommon.task.toy import toy_question
 
-__all__ = ["TaskSource", "prompt_token_budget"]
+__all__ = ["TaskSource", "check_data", "prompt_token_budget"]
 
 logger = logging.getLogger(__name__)
+
+
+def check_data(cfg: TaskConfig) -> None:
+    """Start-up check of the task's data without the model: every file or hub data set it names (training data,
+    each eval set) is read, and ValueError names the first that is missing, not a data set, or holds no usable
+    row (the launcher runs it before anything starts; each service reads the data again where it runs)."""
+    if cfg.kind == "jsonl":
+        assert cfg.path is not None  # TaskConfig's validator requires it
+        load_rows(DataSpec(path=cfg.path, question_field="question", answer_field="answer", answer_format="gsm8k"),
+                  what="task")
+    elif cfg.kind == "dataset":
+        assert cfg.data is not None
+        load_rows(cfg.data, what="task.data")
+        for i, spec in enumerate(cfg.eval_sets):
+            load_rows(spec, what=f"task.eval_sets[{i}] ({spec.name})")
 
 
 def prompt_token_budget(run_cfg: Any) -> int:

@@ -292,3 +292,22 @@ def test_hub_names_read_from_the_hf_cache_offline(tmp_path):
     assert f"{home / 'hub' / 'datasets--owner--not-cached'}" in error and str(home / "datasets") in error
     assert "HF_HUB_OFFLINE=1" in error and "hf download --repo-type dataset owner/not-cached" in error
     assert "point task.data.path at local JSONL / parquet files" in error
+
+
+def test_the_launcher_refuses_missing_or_unreadable_data_before_anything_starts(capsys, tmp_path):
+    from launcher.cli import early_exit
+
+    math = str(Path(__file__).resolve().parents[2] / "configs/math.toml")
+    missing = tmp_path / "nope.jsonl"
+    code = early_exit(["--config", math, f"--run_dir={tmp_path}/run", f"--task.data.path={missing}"])
+    assert code == 2 and f"task.data.path: data file '{missing}' not found" in capsys.readouterr().err
+    not_data = tmp_path / "notes.txt"
+    not_data.write_text("hello\n")
+    code = early_exit(["--config", math, f"--run_dir={tmp_path}/run",
+                       f'--task.eval_sets=[{{name = "held", path = "{not_data}"}}]'])
+    assert code == 2 and f"task.eval_sets[0] (held).path: {not_data} is not a data set file" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"problem": "", "answer": "1"}\n')
+    code = early_exit(["--config", math, f"--run_dir={tmp_path}/run", f"--task.data.path={empty}"])
+    assert code == 2 and "task.data: no usable row" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing started
