@@ -31,9 +31,13 @@ class EvalConfig(StrictModel):
     """A sample passes (pass@k) when its reward (or `pass_component`'s value) is at least this."""
     pass_component: str | None = None
     """The reward component whose value decides a pass (e.g. `math_verify`); None: the total reward."""
-    max_inflight_tasks: int = Field(2, ge=1)
+    max_inflight_tasks: int = Field(16, ge=1)
     """Eval tasks (each n samples) a sampler runs at once beside its training tasks: the bounded slice of its
-    engine that evaluation takes; the rest of the eval tasks wait in the `evals` stream."""
+    engine that evaluation takes; the rest of the eval tasks wait in the `evals` stream. Default 16 (64 sequences
+    at n = 4, about the training window of the default run): a round then ends before the next syncs move the
+    sampler on. On the math example (64 problems, syncs every 1-10 steps) a slice of 2 had each round sampled
+    by 3-5 versions past its own (v4 by v5-v8), a slice of 16 by its own and at most the next (v4 by v4-v5), for
+    5 % longer steps."""
     final_timeout_s: float = Field(600.0, ge=0)
     """How long the trainer waits after its last step for the eval rounds still open (the final one included)
     before it exits; a round still open then is logged as incomplete."""
