@@ -84,16 +84,25 @@ def placement_env(cfg: RunConfig, visible: VisibleGpus | None = None) -> dict[st
     """compose's GPU placement variables (rlcommon/gpu_placement.py) for the trainer and samplers: on a machine
     with GPUs and a GPU trainer, the same placement as compose, with the locks in `<run_dir>/gpu-locks`;
     otherwise off (`placement.lock_dir`, when set, wins). The services place themselves among the GPUs this
-    process was given (its CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES, which they inherit), never others."""
+    process was given (its CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES, which they inherit), never others: on a
+    machine with one GPU the trainer and one sampler share it, as under compose. Both services get both memory
+    shares, which each checks against the other's on a shared GPU."""
     lock_dir = cfg.placement.lock_dir
     if lock_dir is None and cfg.trainer.device != "cpu" and (visible_gpus() if visible is None else visible):
         lock_dir = str(Path(cfg.run_dir).resolve() / "gpu-locks")
-    sampler_gpus = cfg.placement.sampler_gpus
+    sampler_gpus, share = cfg.placement.sampler_gpus, cfg.placement.share_trainer_gpu
     return {
         "DLC_PLACEMENT__LOCK_DIR": lock_dir or "none",
         "DLC_PLACEMENT__TRAINER_GPUS": ",".join(map(str, cfg.placement.trainer_gpus)),
         "DLC_PLACEMENT__SAMPLER_GPUS": ",".join(map(str, sampler_gpus)) if sampler_gpus else "none",
+        "DLC_PLACEMENT__SHARE_TRAINER_GPU": "none" if share is None else str(share).lower(),
+        "DLC_TRAINER__GPU_MEMORY_FRACTION": _none_or(cfg.trainer.gpu_memory_fraction),
+        "DLC_SAMPLER__GPU_MEMORY_UTILIZATION": str(cfg.sampler.gpu_memory_utilization),
     }
+
+
+def _none_or(value: float | None) -> str:
+    return "none" if value is None else str(value)
 
 
 def dashboard_token_for(ccfg: CoordinatorConfig) -> str | None:
@@ -161,7 +170,6 @@ def service_specs(
                     **sampler_env,
                     "DLC_SAMPLER__SAMPLER_ID": f"sampler-{index}",
                     "DLC_SAMPLER__DTYPE": cfg.sampler.dtype,
-                    "DLC_SAMPLER__GPU_MEMORY_UTILIZATION": str(cfg.sampler.gpu_memory_utilization),
                     "DLC_SAMPLER__KV_CACHE_GIB": str(cfg.sampler.kv_cache_gib or "none"),
                     "DLC_SAMPLER__METRICS_PORT": "0",
                     "DLC_SAMPLER__METRICS_HOST": "127.0.0.1",  # make run: everything on this host only

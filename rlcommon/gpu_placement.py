@@ -26,8 +26,16 @@ service needs its own MIG device given explicitly.
   compose restarts claims a GPU again, and a replica beyond the pool's size fails at start-up with an error
   that says so.
 
+The shared mode (`shares_trainer_gpu`): on a node with exactly one GPU, which the trainer takes, the pool is
+that GPU (`placement.share_trainer_gpu` None, sampler_gpus unset), so the trainer and one sampler replica share
+it; `share_trainer_gpu = true` adds the trainer's GPUs to the pool of any node (after the others), `false`
+never shares. On a shared GPU the memory is split by config (`memory_shares`): the trainer caps its allocator
+at `trainer.gpu_memory_fraction` (default 0.45 there) and vLLM takes `sampler.gpu_memory_utilization`, at most
+0.95 of the device together (both processes also allocate outside those shares: CUDA contexts, NCCL); both
+services check it at start-up, each knowing the whole config.
+
 Then `CUDA_VISIBLE_DEVICES` names the chosen entries. The choices are pure (`visible_gpus`, `sampler_pool`,
-`cuda_env`); `claim_gpu` is the lock.
+`shares_trainer_gpu`, `memory_shares`, `cuda_env`); `claim_gpu` is the lock.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from rlcommon.config import ConfigError
 
@@ -52,6 +61,23 @@ NO_GPU = frozenset({"", "none", "void", "nodevfiles"})
 _INDEX = re.compile(r"\d+")
 _UUID = re.compile(r"GPU-[0-9A-Fa-f-]+")
 _MIG = re.compile(r"MIG-.*|\d+:\d+")
+
+SHARED_TRAINER_FRACTION = 0.45
+"""The trainer's share of a GPU it shares with a sampler when trainer.gpu_memory_fraction is unset."""
+SHARED_MEMORY_LIMIT = 0.95
+"""Most of a shared GPU the trainer's and the sampler's shares may add up to: each process also allocates outside
+its share (its CUDA context, NCCL, vLLM's non-torch buffers)."""
+SHARED_AUTO_TOTAL = 0.9
+"""What the two shares add up to on a shared GPU when sampler.gpu_memory_utilization is `auto` (set by placement):
+the sampler takes 0.9 - the trainer's share, a little more headroom than the limit for two CUDA contexts."""
+OWN_GPU_SAMPLER_UTILIZATION = 0.85
+"""sampler.gpu_memory_utilization `auto` on a GPU of its own (what compose's GPU stack always set)."""
+UNPLACED_SAMPLER_UTILIZATION = 0.3
+"""sampler.gpu_memory_utilization `auto` where placement is off (the field's default, sized for CPU runs)."""
+
+Mode = Literal["off", "own", "shared"]
+"""How `place` put a service: placement off (no lock_dir), GPU(s) of its own, or a GPU the trainer and a sampler
+share."""
 
 
 @dataclass(frozen=True)
@@ -114,27 +140,94 @@ def visible_gpus(environ: dict[str, str] | None = None, dev: str | Path = "/dev"
     return VisibleGpus(f"{dev}/nvidia<N>", [str(i) for i in range(len(nodes))])
 
 
-def sampler_pool(visible: VisibleGpus, trainer_gpus: list[int], sampler_gpus: list[int] | None) -> list[str]:
+def shares_trainer_gpu(
+    visible: VisibleGpus, trainer_gpus: list[int], sampler_gpus: list[int] | None, share: bool | None
+) -> bool:
+    """Whether sampler replicas use the trainer's GPUs (the shared mode), per `placement.share_trainer_gpu`
+    (`share`): True: yes, where the trainer has GPUs and `sampler_gpus` (when set) names one of them; False: no;
+    None: only where `visible` is one GPU, the trainer takes it and `sampler_gpus` is unset (a one-GPU node: the
+    trainer and one sampler share it)."""
+    if not trainer_gpus:
+        return False  # a node of samplers only
+    if share is None:
+        return len(visible.devices) == 1 and 0 in trainer_gpus and sampler_gpus is None
+    return share and (sampler_gpus is None or any(g in trainer_gpus for g in sampler_gpus))
+
+
+def sampler_pool(
+    visible: VisibleGpus, trainer_gpus: list[int], sampler_gpus: list[int] | None, share: bool | None = None
+) -> list[str]:
     """The GPUs (entries of `visible`) the sampler replicas share out: positions `sampler_gpus` when given,
-    else every visible GPU but the trainer's. Raises PlacementError when the pool is empty, overlaps the
-    trainer's, or names a position past the visible list."""
+    else every visible GPU but the trainer's, then the trainer's in the shared mode (`shares_trainer_gpu`; `share`
+    is placement.share_trainer_gpu), so that replicas take a GPU of their own first. Raises PlacementError when
+    the pool is empty, overlaps the trainer's outside the shared mode, or names a position past the visible list."""
+    shared = shares_trainer_gpu(visible, trainer_gpus, sampler_gpus, share)
     if sampler_gpus is None:
         pool = [i for i in range(len(visible.devices)) if i not in trainer_gpus]
+        if shared:
+            pool += [g for g in dict.fromkeys(trainer_gpus) if g < len(visible.devices)]
     else:
         pool = list(dict.fromkeys(sampler_gpus))
         _check_positions("placement.sampler_gpus", pool, visible)
-        shared = [g for g in pool if g in trainer_gpus]
-        if shared:
+        overlap = [g for g in pool if g in trainer_gpus]
+        if overlap and not shared:
             raise PlacementError(
-                f"placement.sampler_gpus {pool} and placement.trainer_gpus {trainer_gpus} share GPU(s) {shared}: "
-                "a sampler's vLLM engine and the trainer would compete for one device's memory"
+                f"placement.sampler_gpus {pool} and placement.trainer_gpus {trainer_gpus} share GPU(s) {overlap}: "
+                "a sampler's vLLM engine and the trainer would compete for one device's memory; set "
+                "placement.share_trainer_gpu = true to share them (trainer.gpu_memory_fraction and "
+                "sampler.gpu_memory_utilization then split the memory)"
             )
     if not pool:
         raise PlacementError(
             f"no GPU left for samplers: {visible.source} gives {visible.devices}, the trainer takes positions "
-            f"{trainer_gpus}; give the node more GPUs or set placement.sampler_gpus"
+            f"{trainer_gpus}; give the node more GPUs, set placement.sampler_gpus, or set "
+            "placement.share_trainer_gpu = true (a sampler then shares the trainer's GPU)"
         )
     return [visible.devices[i] for i in pool]
+
+
+@dataclass(frozen=True)
+class MemoryShares:
+    """The fractions of a device's memory the services take: `trainer`, the cap of each trainer rank's allocator
+    (None: no cap); `sampler`, vLLM's gpu_memory_utilization."""
+
+    trainer: float | None
+    sampler: float
+
+
+def memory_shares(
+    trainer_fraction: float | None, sampler_utilization: float | Literal["auto"], mode: Mode
+) -> MemoryShares:
+    """The memory shares from `trainer.gpu_memory_fraction` (None: unset) and `sampler.gpu_memory_utilization`
+    (`auto`: set here) for a service placed in `mode`. On a shared GPU the trainer's defaults to
+    SHARED_TRAINER_FRACTION, the sampler's `auto` is what SHARED_AUTO_TOTAL leaves, and together they may be at most
+    SHARED_MEMORY_LIMIT (else a PlacementError naming both settings). Elsewhere an unset trainer share is no cap,
+    and the sampler's `auto` OWN_GPU_SAMPLER_UTILIZATION on a GPU of its own, UNPLACED_SAMPLER_UTILIZATION with
+    placement off."""
+    auto = sampler_utilization == "auto"
+    if mode != "shared":
+        default = OWN_GPU_SAMPLER_UTILIZATION if mode == "own" else UNPLACED_SAMPLER_UTILIZATION
+        return MemoryShares(trainer_fraction, default if auto else float(sampler_utilization))
+    trainer = SHARED_TRAINER_FRACTION if trainer_fraction is None else trainer_fraction
+    sampler = round(SHARED_AUTO_TOTAL - trainer, 6) if auto else float(sampler_utilization)
+    settings = (f"trainer.gpu_memory_fraction = {trainer}{' (unset: the shared default)' if trainer_fraction is None else ''}"
+                f" and sampler.gpu_memory_utilization = {sampler_utilization}")
+    example = (f"e.g. trainer.gpu_memory_fraction = {SHARED_TRAINER_FRACTION} and sampler.gpu_memory_utilization = "
+               f"{round(SHARED_AUTO_TOTAL - SHARED_TRAINER_FRACTION, 6)}")
+    if sampler <= 0:
+        raise PlacementError(
+            f"the trainer and a sampler share a GPU, but {settings} ({SHARED_AUTO_TOTAL} - the trainer's share) "
+            f"leave the sampler nothing; lower trainer.gpu_memory_fraction or set sampler.gpu_memory_utilization "
+            f"({example})"
+        )
+    if trainer + sampler > SHARED_MEMORY_LIMIT + 1e-9:
+        raise PlacementError(
+            f"the trainer and a sampler share a GPU, but {settings} add up to {round(trainer + sampler, 6)}, more "
+            f"than {SHARED_MEMORY_LIMIT} of the device (vLLM and the trainer also allocate outside their shares); set "
+            f"them to add up to at most {SHARED_MEMORY_LIMIT} ({example}), or give the sampler a GPU of its own "
+            "(placement.share_trainer_gpu = false on a node with more GPUs)"
+        )
+    return MemoryShares(trainer, sampler)
 
 
 def trainer_devices(visible: VisibleGpus, trainer_gpus: list[int]) -> list[str]:
@@ -200,23 +293,71 @@ def cuda_env(gpus: list[str], visible: VisibleGpus) -> dict[str, str]:
     return env
 
 
-def place(service: str, placement, environ: dict[str, str] | None = None, dev: str | Path = "/dev") -> Claim | None:
+@dataclass
+class Placed:
+    """Where `place` put a service: `mode`, the GPUs its CUDA_VISIBLE_DEVICES names (none with placement off),
+    the memory shares it runs with, and a sampler's claim (held for as long as the process lives)."""
+
+    mode: Mode
+    gpus: list[str]
+    memory: MemoryShares
+    claim: Claim | None = None
+
+    def describe(self, service: str) -> str:
+        """The line the service logs after placement ("shares GPU 0 with the trainer")."""
+        if self.mode == "off":
+            return f"placement off (placement.lock_dir unset): the {service} uses the devices it was given"
+        gpus = ", ".join(self.gpus)
+        cap = "no cap" if self.memory.trainer is None else f"at most {self.memory.trainer} of each device"
+        if service == "trainer":
+            where = (f"shares GPU {gpus} with a sampler" if self.mode == "shared" else f"uses GPU(s) {gpus}")
+            return f"placement: the trainer {where}; its memory: {cap} (trainer.gpu_memory_fraction)"
+        lock = f" (lock {self.claim.path})" if self.claim is not None else ""
+        if self.mode == "own":
+            return f"placement: this replica uses GPU {gpus}{lock}"
+        return (f"placement: this replica shares GPU {gpus} with the trainer{lock}; memory: vLLM "
+                f"{self.memory.sampler} of the device (sampler.gpu_memory_utilization), the trainer at most "
+                f"{self.memory.trainer} (trainer.gpu_memory_fraction)")
+
+
+def place(
+    service: str,
+    placement,
+    environ: dict[str, str] | None = None,
+    dev: str | Path = "/dev",
+    *,
+    trainer_fraction: float | None = None,
+    sampler_utilization: float | Literal["auto"] = "auto",
+) -> Placed:
     """Place `service` ("trainer" or "sampler") per `placement` (a PlacementConfig) among the GPUs `environ`
-    (default os.environ) gives, by setting the CUDA variables in `environ`; None when placement is off
-    (`lock_dir` unset)."""
+    (default os.environ) gives, by setting the CUDA variables in `environ`, and settle the memory shares from
+    `trainer_fraction` (trainer.gpu_memory_fraction) and `sampler_utilization` (sampler.gpu_memory_utilization):
+    `memory_shares`, which refuses shares of a shared GPU that add up to more than SHARED_MEMORY_LIMIT. Mode
+    "off" when placement is off (`lock_dir` unset): nothing is set, the memory shares are still settled."""
     environ = os.environ if environ is None else environ
     if placement.lock_dir is None:
-        return None
+        return Placed("off", [], memory_shares(trainer_fraction, sampler_utilization, "off"))
     visible = visible_gpus(environ, dev)
     if not visible:
         raise PlacementError(f"{visible.source} gives no GPU, but placement is on (placement.lock_dir is set) and "
                              f"the {service} needs one; set placement.lock_dir = none for a CPU run")
+    trainer_gpus, sampler_gpus = placement.trainer_gpus, placement.sampler_gpus
+    shared = shares_trainer_gpu(visible, trainer_gpus, sampler_gpus, placement.share_trainer_gpu)
     if service == "trainer":
-        if not placement.trainer_gpus:
+        if not trainer_gpus:
             raise PlacementError("placement.trainer_gpus is empty (a node of samplers only): the trainer needs at "
                                  "least one GPU")
-        environ.update(cuda_env(trainer_devices(visible, placement.trainer_gpus), visible))
-        return None
-    claim = claim_gpu(sampler_pool(visible, placement.trainer_gpus, placement.sampler_gpus), placement.lock_dir)
+        gpus = trainer_devices(visible, trainer_gpus)
+        mode: Mode = "shared" if shared else "own"
+        memory = memory_shares(trainer_fraction, sampler_utilization, mode)  # before CUDA: a bad split exits 2
+        environ.update(cuda_env(gpus, visible))
+        return Placed(mode, gpus, memory)
+    pool = sampler_pool(visible, trainer_gpus, sampler_gpus, placement.share_trainer_gpu)
+    trainers = {visible.devices[g] for g in trainer_gpus if g < len(visible.devices)}
+    if shared:  # a bad split of a shared GPU stops every replica, before it holds a lock
+        memory_shares(trainer_fraction, sampler_utilization, "shared")
+    claim = claim_gpu(pool, placement.lock_dir)
+    mode = "shared" if claim.gpu in trainers else "own"
+    memory = memory_shares(trainer_fraction, sampler_utilization, mode)
     environ.update(cuda_env([claim.gpu], visible))
-    return claim
+    return Placed(mode, [claim.gpu], memory, claim)

@@ -1,7 +1,8 @@
 """`python -m sampler_svc --config FILE [--a.b VALUE ...]`: run one sampler service (vLLM engine).
 
 Exit codes (rlcommon/entrypoint.py): 0 after a stop signal, 2 for a bad configuration (also no GPU left to
-place it on), 1 when the engine or the service failed.
+place it on, or memory shares of a GPU shared with the trainer that add up to more than 0.95), 1 when the engine
+or the service failed.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ async def serve(cfg: RunConfig) -> int:
 def run(cfg: RunConfig) -> int:
     from rlcommon.gpu_placement import place
 
-    claim = place("sampler", cfg.placement)  # before vLLM starts CUDA; held until the process exits
-    if claim is not None:
-        logger.info("placement: this replica uses GPU %s (lock %s)", claim.gpu, claim.path)
+    # Before vLLM starts CUDA; the claim is held until the process exits. A GPU shared with the trainer, or
+    # memory shares of it that add up to too much, are settled here (rlcommon/gpu_placement.py memory_shares).
+    placed = place("sampler", cfg.placement, trainer_fraction=cfg.trainer.gpu_memory_fraction,
+                   sampler_utilization=cfg.sampler.gpu_memory_utilization)
+    if placed.mode != "off":
+        logger.info(placed.describe("sampler"))
+    cfg.sampler.gpu_memory_utilization = placed.memory.sampler  # `auto` settled: vLLM gets a number
     return asyncio.run(serve(cfg))
 
 

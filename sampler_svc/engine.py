@@ -179,6 +179,46 @@ def execution_settings(sampler: SamplerConfig, *, on_cpu: bool) -> dict[str, Any
     }
 
 
+def engine_arguments(model_dir: Path, sampler: SamplerConfig, sampling: SamplingConfig, *, on_cpu: bool,
+                     max_sequences: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """The keyword arguments of vLLM's `AsyncEngineArgs` for this sampler, and the environment its executor needs
+    (`execution_settings`). Pure but for reading `model_dir/config.json` when `kv_cache_gib = "fit"`; the GPU
+    image's check (tests/compose/gpu_image_probe.py) builds the GPU variant against the CUDA build of vLLM."""
+    execution = execution_settings(sampler, on_cpu=on_cpu)
+    utilization = sampler.gpu_memory_utilization
+    if utilization == "auto":  # placement settles it in `python -m sampler_svc`; an engine started otherwise is unplaced
+        from rlcommon.gpu_placement import memory_shares
+
+        utilization = memory_shares(None, "auto", "off").sampler
+    kv_cache_bytes = None
+    if sampler.kv_cache_gib == "fit":
+        model_config = json.loads((Path(model_dir) / "config.json").read_text())
+        kv_cache_bytes = fitted_kv_cache_bytes(model_config, dtype=sampler.dtype, sequences=max_sequences,
+                                               max_model_len=sampler.max_model_len)
+        logger.info("KV cache fitted to %d sequences of %d tokens: %.1f MiB", max_sequences,
+                    sampler.max_model_len, kv_cache_bytes / 2**20)
+    elif sampler.kv_cache_gib is not None:
+        kv_cache_bytes = int(sampler.kv_cache_gib * 2**30)
+    kwargs = dict(
+        model=str(model_dir),
+        dtype=sampler.dtype,
+        gpu_memory_utilization=utilization,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_model_len=sampler.max_model_len,
+        logprobs_mode="processed_logprobs",
+        max_logprobs=sampling.logprobs_topk,
+        seed=sampler.seed,
+        disable_log_stats=True,
+        worker_extension_cls=WORKER_EXTENSION,
+        # Weight swaps go through vLLM's weight-update API with the sampler's engine (vllm_transfer.py).
+        weight_transfer_config={"backend": TRANSFER_BACKEND},
+        enforce_eager=execution["enforce_eager"],
+        distributed_executor_backend=execution["executor"],
+        **execution["scheduler"],
+    )
+    return kwargs, execution["env"]
+
+
 CPU_STEP_TOKENS = 2048
 """The tokens of one engine step on CPU (vLLM's default budget), or max_model_len when that is larger."""
 
@@ -266,43 +306,18 @@ class SamplerEngine:
         from vllm.v1.executor import Executor
 
         timeline(logger, "vLLM imported")
-        sampler = self.sampler_cfg
         self._tokenizer = load_tokenizer(self.model_dir)
         on_cpu = current_platform.is_cpu()
-        execution = execution_settings(sampler, on_cpu=on_cpu)
-        os.environ.update(execution["env"])  # read when the engine checks its config (and by its engine core)
-        kv_cache_bytes = None
-        if sampler.kv_cache_gib == "fit":
-            model_config = json.loads((self.model_dir / "config.json").read_text())
-            kv_cache_bytes = fitted_kv_cache_bytes(model_config, dtype=sampler.dtype, sequences=self.max_sequences,
-                                                   max_model_len=sampler.max_model_len)
-            logger.info("KV cache fitted to %d sequences of %d tokens: %.1f MiB", self.max_sequences,
-                        sampler.max_model_len, kv_cache_bytes / 2**20)
-        elif sampler.kv_cache_gib is not None:
-            kv_cache_bytes = int(sampler.kv_cache_gib * 2**30)
-        args = AsyncEngineArgs(
-            model=str(self.model_dir),
-            dtype=sampler.dtype,
-            gpu_memory_utilization=sampler.gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_bytes,
-            max_model_len=sampler.max_model_len,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=self.sampling_cfg.logprobs_topk,
-            seed=sampler.seed,
-            disable_log_stats=True,
-            worker_extension_cls=WORKER_EXTENSION,
-            # Weight swaps go through vLLM's weight-update API with the sampler's engine (vllm_transfer.py).
-            weight_transfer_config={"backend": TRANSFER_BACKEND},
-            enforce_eager=execution["enforce_eager"],
-            distributed_executor_backend=execution["executor"],
-            **execution["scheduler"],
-        )
+        kwargs, env = engine_arguments(self.model_dir, self.sampler_cfg, self.sampling_cfg, on_cpu=on_cpu,
+                                       max_sequences=self.max_sequences)
+        os.environ.update(env)  # read when the engine checks its config (and by its engine core)
+        args = AsyncEngineArgs(**kwargs)
         started = time.perf_counter()
         self._gate = _VersionGate()
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)  # on CPU it asks for spawn
         start_method = self.cpu_engine_start if on_cpu else None
         timeline(logger, f"vLLM configured; starting its engine-core process ({start_method or 'vLLM decides'})")
-        with engine_core_start(start_method, without_compile=on_cpu and execution["enforce_eager"]):
+        with engine_core_start(start_method, without_compile=on_cpu and kwargs["enforce_eager"]):
             self._llm = AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                                  log_requests=False, log_stats=False, start_engine_loop=True,
                                  usage_context=UsageContext.ENGINE_CONTEXT)
@@ -325,11 +340,11 @@ class SamplerEngine:
             "vLLM engine up in %.1f s: %s dtype=%s K=%d weight_version=%d (%s, executor %s, engine core %s)",
             time.perf_counter() - started,
             self.model_dir,
-            sampler.dtype,
+            self.sampler_cfg.dtype,
             self.topk,
             self._weight_version,
-            "eager" if execution["enforce_eager"] else "compiled",
-            execution["executor"] or "vLLM's default",
+            "eager" if kwargs["enforce_eager"] else "compiled",
+            kwargs["distributed_executor_backend"] or "vLLM's default",
             f"{start_method}ed" if start_method else "started as vLLM decides",
         )
         return self

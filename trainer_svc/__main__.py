@@ -40,10 +40,16 @@ def run(cfg: RunConfig, argv: list[str]) -> int:
         setup_logging(f"trainer-rank{rank}", cfg.run_dir)
     from rlcommon.gpu_placement import place
 
-    place("trainer", cfg.placement)  # CUDA_VISIBLE_DEVICES = placement.trainer_gpus when placement is on
-    from trainer_svc.parallel import DataParallel  # torch import after the config is known to be valid
+    # CUDA_VISIBLE_DEVICES = placement.trainer_gpus when placement is on; on a GPU shared with a sampler the memory
+    # shares are checked here (exit 2) and the trainer's defaults to 0.45 (rlcommon/gpu_placement.py).
+    placed = place("trainer", cfg.placement, trainer_fraction=cfg.trainer.gpu_memory_fraction,
+                   sampler_utilization=cfg.sampler.gpu_memory_utilization)
+    if placed.mode != "off":
+        logger.info(placed.describe("trainer"))
+    from trainer_svc.parallel import DataParallel, cap_cuda_memory  # torch import after the config is valid
 
     parallel = DataParallel.init(cfg.trainer.device) if shards > 1 else None
+    cap_cuda_memory(cfg.trainer.device, placed.memory.trainer)  # every rank, once its device is set
     if parallel is not None and parallel.rank > 0:
         return follow(cfg, parallel)
     from trainer_svc.service import TrainerService

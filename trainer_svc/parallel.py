@@ -52,6 +52,20 @@ def full_value(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def cap_cuda_memory(device: str | torch.device, fraction: float | None) -> int | None:
+    """Cap this process's CUDA caching allocator at `fraction` of its device's memory
+    (`torch.cuda.set_per_process_memory_fraction`; trainer.gpu_memory_fraction, 0.45 on a GPU shared with a
+    sampler): past it torch raises OutOfMemoryError instead of taking what vLLM was promised. Called by every
+    rank once its device is set (DataParallel.init); returns the device index capped, None (nothing done) when
+    `fraction` is None or `device` is not CUDA."""
+    device = torch.device(device)
+    if fraction is None or device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return index
+
+
 @dataclass
 class DataParallel:
     """This process's place among `world` trainer ranks, and the mesh FSDP2 shards over."""

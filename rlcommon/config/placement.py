@@ -34,7 +34,14 @@ class PlacementConfig(StrictModel):
     NVIDIA_VISIBLE_DEVICES, else /dev/nvidia<N>) that the trainer uses; where every GPU is visible, nvidia-smi's ids.
     Empty on a node of samplers only (docker-compose.worker.yml): every GPU is theirs."""
     sampler_gpus: list[int] | None = None
-    """Positions (as trainer_gpus) the sampler replicas share out, one each; None: every visible GPU but the trainer's."""
+    """Positions (as trainer_gpus) the sampler replicas share out, one each; None: every visible GPU but the trainer's
+    (and the trainer's too when they are shared: `share_trainer_gpu`)."""
+    share_trainer_gpu: bool | None = None
+    """Whether a sampler may use a GPU of the trainer's (the shared mode: trainer.gpu_memory_fraction and
+    sampler.gpu_memory_utilization split its memory, at most 0.95 of it together). None: only on a node with exactly
+    one GPU, which the trainer takes, and sampler_gpus unset (the trainer and one sampler share it). True: the
+    trainer's GPUs join the pool (after the others, with sampler_gpus unset; sampler_gpus may name them). False:
+    never; a node whose only GPU is the trainer's has none for samplers."""
 
     _ids = field_validator("trainer_gpus", "sampler_gpus", mode="before")(_gpu_ids)
 

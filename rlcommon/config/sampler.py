@@ -32,8 +32,12 @@ class SamplerConfig(StrictModel):
     """Stable id of this sampler; default `<hostname>-<pid>`."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Engine precision (can differ from the trainer's to create a numerical discrepancy)."""
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """vLLM memory fraction (on CPU: the KV cache size fraction of the machine's RAM)."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = 0.3
+    """vLLM memory fraction: the share of the device vLLM must find free at start and keeps (weights, activations,
+    KV cache), with `kv_cache_gib` too (on CPU: the KV cache size fraction of the machine's RAM). `auto`: set by
+    GPU placement (compose's GPU stack): 0.85 on a GPU of its own, 0.9 - the trainer's share on a GPU shared with
+    the trainer (0.45 with trainer.gpu_memory_fraction unset; rlcommon/gpu_placement.py memory_shares), 0.3 where
+    placement is off."""
     kv_cache_gib: Annotated[float, Field(gt=0)] | Literal["fit"] | None = None
     """KV cache size in GiB (vLLM `kv_cache_memory_bytes`), instead of the `gpu_memory_utilization` share;
     on CPU that share of the machine's RAM is reserved (and zeroed) per engine (0.3 of 24 GiB = 7 GiB), so small

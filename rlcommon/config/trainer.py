@@ -96,6 +96,11 @@ class TrainerConfig(StrictModel):
     """Torch seed."""
     device: str = "cpu"
     """Torch device."""
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
+    """Most of its CUDA device's memory each trainer rank's tensors may take
+    (`torch.cuda.set_per_process_memory_fraction`; past it torch raises OutOfMemoryError instead of taking memory a
+    sampler was promised). None: no cap, except on a GPU shared with a sampler (placement.share_trainer_gpu; one-GPU
+    nodes) where it is 0.45; there it plus sampler.gpu_memory_utilization may be at most 0.95."""
     threads: int | None = Field(None, ge=1)
     """Torch threads of each rank on CPU. None: the cores this process may use, shared among its ranks."""
     dtype: Literal["float32", "bfloat16"] = "float32"
