@@ -4,6 +4,7 @@ that order and validated strictly (`load_config`); and writing one back as TOML 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -67,6 +68,25 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return out
 
 
+_SECRET_KEY = re.compile(r"token|password|secret|api_key", re.IGNORECASE)
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+REDACTED = "<redacted>"
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """`value` with secrets replaced, for messages and logs: the values of keys that name a token, password, secret or
+    API key, and the password of a URL (`redis://user:PASSWORD@host`), at any depth."""
+    if _SECRET_KEY.search(key) and value is not None:
+        return REDACTED
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}@", value)
+    return value
+
+
 def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
@@ -75,8 +95,9 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
             loc = f"{prefix}.{loc}"
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{loc}'")
-        else:
-            lines.append(f"bad value for '{loc}': {e['msg']} (got {e.get('input')!r})")
+        else:  # the value given, never a secret in it (the message reaches logs and terminals)
+            got = redact(e.get("input"), str(e["loc"][-1]) if e["loc"] else "")
+            lines.append(f"bad value for '{loc}': {redact(e['msg'])} (got {got!r})")
     return "invalid configuration: " + "; ".join(lines)
 
 

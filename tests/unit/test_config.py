@@ -217,3 +217,26 @@ def test_a_secret_comes_from_a_file_named_by_a_file_variable(tmp_path, monkeypat
     assert cfg.coordinator.auth_token == "0123abc" and cfg.redis.url.startswith("redis://sampler:")
     with pytest.raises(ConfigError, match="DLC_COORDINATOR__AUTH_TOKEN_FILE: cannot read the secret file"):
         env_overrides({"DLC_COORDINATOR__AUTH_TOKEN_FILE": str(tmp_path / "missing")})
+
+
+def test_a_bad_config_never_shows_a_secret_in_its_message(monkeypatch):
+    """Config errors reach logs and terminals: the tokens, passwords and a URL's password stay out of them."""
+    token, password = "tok-3f9a1c7e5b", "pw-8d2e6b4a1f"
+    monkeypatch.setenv("DLC_COORDINATOR__AUTH_TOKEN", token)
+    monkeypatch.setenv("DLC_COORDINATOR__DASHBOARD_TOKEN", token)  # must differ: refused
+    monkeypatch.setenv("DLC_REDIS__URL", f"redis://trainer:{password}@redis:6379/0")
+    monkeypatch.setenv("DLC_REDIS__PASSWORD", password)
+    with pytest.raises(ConfigError) as err:
+        load_config(RunConfig, [], [], use_env=True)
+    message = str(err.value)
+    assert "dashboard_token must differ" in message, message
+    assert token not in message and password not in message, message
+
+
+def test_redact_hides_secret_keys_and_url_passwords():
+    from rlcommon.config.loading import REDACTED, redact
+
+    got = redact({"auth_token": "a", "url": "redis://u:p@h:1/0", "nested": [{"api_key": "k", "n": 1}], "x": None})
+    assert got == {"auth_token": REDACTED, "url": f"redis://u:{REDACTED}@h:1/0",
+                   "nested": [{"api_key": REDACTED, "n": 1}], "x": None}
+    assert redact("redis://h:6379/0") == "redis://h:6379/0" and redact(3) == 3
