@@ -28,3 +28,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 """The checkout this launcher runs from (configs/default.toml, the services' modules)."""
+IMAGE_CONFIGS = Path("/configs")
+"""Where the images keep the shipped configs (docker/Dockerfile.gpu; compose mounts the checkout's over them)."""
+
+
+def default_config() -> Path:
+    """configs/default.toml of the checkout, else of the image (the launcher installed as a package)."""
+    in_checkout = REPO / "configs" / "default.toml"
+    in_image = IMAGE_CONFIGS / "default.toml"
+    return in_checkout if in_checkout.is_file() or not in_image.is_file() else in_image

@@ -31,7 +31,7 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     parser.add_argument("--fresh", action="store_true",
                         help="a new run in a new folder beside run_dir: <run_dir>-YYYYmmdd-HHMMSS")
     args, rest = parser.parse_known_args(argv)
-    paths = args.config or [str(launcher.REPO / "configs/default.toml")]
+    paths = args.config or [str(launcher.default_config())]
     cfg = load_config(RunConfig, paths, rest)
     # A reward function that cannot be imported, or a column it needs that the data lacks: refused here, before
     # the stack starts (each sampler checks again where it runs).
