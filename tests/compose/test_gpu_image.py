@@ -114,8 +114,8 @@ def test_the_project_imports_against_the_cuda_builds_and_vllm_takes_the_sampler(
     probe_dir = REPO / "tests" / "compose"
     secrets_dir = tmp_path / "secrets"  # what the Swarm's secrets give, readable by the image's user
     secrets_dir.mkdir()
-    for name in SECRETS:
-        (secrets_dir / name).write_text("0123abcd")
+    for i, name in enumerate(SECRETS):
+        (secrets_dir / name).write_text(f"0123abcd{i}")  # each its own (the read-only token must differ)
     (secrets_dir / "cases.json").write_text(json.dumps(cases))
     for path in (tmp_path, secrets_dir, *secrets_dir.iterdir()):
         path.chmod(0o755 if path.is_dir() else 0o644)
