@@ -134,6 +134,8 @@ class TrainerService:
         self.next_batch_id = 0
         self.duplicates_dropped = 0
         self.skipped_batches = 0
+        self.steps_trained_here = 0
+        """Steps this process trained (the first one is not a measure of demand: autoscale)."""
         self.rejected_rollouts = 0
         self.unacked_entry_ids: list[bytes] = []
         self.checkpoint_acks: list[bytes] = []
@@ -411,6 +413,9 @@ class TrainerService:
             self.skipped_batches += 1
         step = self.train_step.step - 1
         stats = {k: float(v) for k, v in result.metrics.items() if isinstance(v, int | float)}
+        if self.steps_trained_here:  # the first step of a process waited for the pipeline to fill: not demand
+            stats["trainer_wait_s"], stats["trainer_wall_s"] = self.stages.peek("wait")  # coordinator/fleet.py
+        self.steps_trained_here += 1
         by_sampler = Counter(r.sampler_id for r in rollouts)
         with self.stages.stage("report"):
             reply = self.coordinator.report_step(step=step, batch_id=batch_id,

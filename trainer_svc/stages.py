@@ -36,6 +36,10 @@ class StageClock:
         finally:
             self._totals[name] += self._clock() - started
 
+    def peek(self, name: str) -> tuple[float, float]:
+        """Seconds spent in stage `name`, and wall seconds, since the last `take` (nothing is reset)."""
+        return self._totals.get(name, 0.0), self._clock() - self._since
+
     def take(self) -> dict[str, float]:
         """The stages since the last `take` (`stage_<name>_s`, `stage_other_s`, `row_wall_s`); resets them."""
         now = self._clock()

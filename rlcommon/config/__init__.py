@@ -22,12 +22,14 @@ One module per section; every name below is importable from `rlcommon.config` it
 - `tracking`: `TrackingConfig` (`tracking.*`), `TrackerName`
 - `weight_server`: `WeightServerConfig` (`weight_server.*`)
 - `eval`: `EvalConfig` (`eval.*`: evaluation while training)
+- `autoscale`: `AutoscaleConfig` (`autoscale.*`: the sampler fleet's size from the trainer's demand)
 - `run`: `RunConfig` (every section, and the checks across sections)
 - `loading`: `load_config`, `build_config`, `parse_overrides`, `env_overrides`, `ENV_PREFIX`, `dump_toml`
 """
 
 from __future__ import annotations
 
+from rlcommon.config.autoscale import AutoscaleConfig
 from rlcommon.config.base import ConfigError, StrictModel
 from rlcommon.config.bus import BusConfig, RedisConfig
 from rlcommon.config.coordinator import SYNC_POLICIES, CoordinatorConfig, SyncPolicy
@@ -60,6 +62,7 @@ from rlcommon.config.weight_server import WeightServerConfig
 from rlcommon.config.wire_limits import WireLimits, derived_max_message_bytes
 
 __all__ = [
+    "AutoscaleConfig",
     "ConfigError",
     "read_secret_file",
     "StrictModel",

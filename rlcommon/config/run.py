@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from rlcommon.config.autoscale import AutoscaleConfig
 from rlcommon.config.base import StrictModel
 from rlcommon.config.bus import BusConfig, RedisConfig
 from rlcommon.config.coordinator import CoordinatorConfig
@@ -47,6 +48,7 @@ class RunConfig(StrictModel):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     weight_server: WeightServerConfig = Field(default_factory=WeightServerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
 
     @model_validator(mode="after")
     def _queue_fits_what_the_trainer_holds(self) -> RunConfig:

@@ -1,0 +1,135 @@
+"""How many samplers the fleet should have, from the trainer's demand and the samplers' measured supply: pure
+functions, no clock, no Redis (the coordinator feeds them; coordinator/fleet.py keeps the measurements).
+
+Demand: over the last `autoscale.window_steps` trainer steps, the share of the trainer's wall time spent waiting for
+rollouts (`wait_share`), and the rollouts per second that would keep it from waiting at all: a batch's B x G rollouts
+per second of the trainer's own work per step (its step time without the wait).
+Supply: the samplers that serve (live, producing), those still starting (registered, loading weights or warming up:
+counted as capacity already there, so a scale-up is never asked twice for them), and the rollouts per second one
+serving sampler produces.
+
+The decision, in order:
+- within `cooldown_s` of the last change: hold it;
+- no trainer step measured yet: hold (at least `min`);
+- the trainer waits more than `up_wait_share`: one sampler more, or as many as the supply per sampler says the
+  demand needs (with `headroom`), unless samplers are still starting (their capacity is not measured yet);
+- it waits less than `down_wait_share` and one sampler fewer would still meet the demand with `headroom`: one fewer;
+- else hold (the band between the two shares is the hysteresis).
+Always within [`min`, `max`], and never above `useful`: more samplers than can hold the tasks the coordinator plans
+ahead (`max_inflight_batches x batch_size` groups at `sampler.max_inflight_tasks` each) only sit idle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rlcommon.config.autoscale import AutoscaleConfig
+
+__all__ = ["Demand", "FleetDecision", "StepSample", "Supply", "decide", "demand_of", "useful_samplers"]
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One trainer step as ReportStep tells it: wall seconds since the previous step, and how many of them it waited
+    for the batch's rollouts."""
+
+    wall_s: float
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class Demand:
+    wait_share: float
+    """Share of the trainer's wall time spent waiting for rollouts over the window."""
+    rollouts_per_s: float
+    """Rollouts per second that would keep the trainer from waiting (B x G per second of its own work per step)."""
+    steps: int
+
+
+@dataclass(frozen=True)
+class Supply:
+    serving: int
+    """Live samplers that have produced rollouts (not draining)."""
+    starting: int
+    """Live samplers registered but not producing yet (loading weights, warming up)."""
+    rollouts_per_s_per_sampler: float | None
+    """Measured on the serving samplers; None before any has served for long enough."""
+
+
+@dataclass(frozen=True)
+class FleetDecision:
+    desired: int
+    reason: str
+    changed_at: float
+    """When `desired` last changed (the cooldown counts from it)."""
+
+
+def demand_of(steps: Sequence[StepSample], rollouts_per_step: int) -> Demand | None:
+    """The demand over `steps` (the window); None for an empty window or one with no wall time."""
+    wall = sum(s.wall_s for s in steps)
+    if not steps or wall <= 0:
+        return None
+    wait = sum(min(max(s.wait_s, 0.0), s.wall_s) for s in steps)
+    busy_per_step = max(wall - wait, 1e-9) / len(steps)
+    return Demand(wait_share=wait / wall, rollouts_per_s=rollouts_per_step / busy_per_step, steps=len(steps))
+
+
+def useful_samplers(*, max_inflight_batches: int, batch_size: int, tasks_per_sampler: int | None) -> int | None:
+    """The most samplers that can all hold tasks at once: the planned-ahead groups shared out at `tasks_per_sampler`
+    each (None: a sampler takes the whole window, so only a bound from `autoscale.max` applies)."""
+    if tasks_per_sampler is None:
+        return None
+    return max(1, math.ceil(max_inflight_batches * batch_size / tasks_per_sampler))
+
+
+def _needed(demand: Demand, supply: Supply, headroom: float) -> int | None:
+    """Samplers that meet the demand with headroom, from the measured supply per sampler; None when unmeasured."""
+    rate = supply.rollouts_per_s_per_sampler
+    if rate is None or rate <= 0:
+        return None
+    return max(1, math.ceil(demand.rollouts_per_s * headroom / rate - 1e-9))
+
+
+def decide(demand: Demand | None, supply: Supply, cfg: AutoscaleConfig, previous: FleetDecision | None, *, now: float,
+           useful: int | None = None) -> FleetDecision:
+    """The desired sampler count now (see the module docstring)."""
+    upper = cfg.max if useful is None else max(cfg.min, min(cfg.max, useful))
+
+    def bounded(count: int) -> int:
+        return max(cfg.min, min(upper, count))
+
+    current = supply.serving + supply.starting
+    if previous is not None and now - previous.changed_at < cfg.cooldown_s:
+        return previous
+    held = bounded(current if previous is None else previous.desired)
+
+    def hold(reason: str) -> FleetDecision:
+        if previous is not None and previous.desired == held:
+            return FleetDecision(held, reason, previous.changed_at)
+        return FleetDecision(held, reason, now)
+
+    def change(count: int, reason: str) -> FleetDecision:
+        count = bounded(count)
+        if count == held:
+            return hold(reason)
+        return FleetDecision(count, reason, now)
+
+    if demand is None:
+        return hold("no trainer step measured yet")
+    needed = _needed(demand, supply, cfg.headroom)
+    shares = f"trainer waits {demand.wait_share:.0%} of its time for rollouts over {demand.steps} steps"
+    if demand.wait_share > cfg.up_wait_share:
+        if supply.starting:
+            return hold(f"{shares}; {supply.starting} sampler(s) still starting: their capacity is not measured yet")
+        if current >= upper:
+            return hold(f"{shares}; already at the most that help ({upper})")
+        target = max(current + 1, needed or 0)
+        how = (f"{demand.rollouts_per_s:.1f} rollouts/s needed x {cfg.headroom:g} headroom at "
+               f"{supply.rollouts_per_s_per_sampler:.1f} per sampler" if needed else "one more")
+        return change(target, f"{shares} (> {cfg.up_wait_share:.0%}): {how}")
+    if demand.wait_share < cfg.down_wait_share and needed is not None and needed <= current - 1:
+        return change(current - 1, f"{shares} (< {cfg.down_wait_share:.0%}) and {needed} sampler(s) meet "
+                                   f"{demand.rollouts_per_s:.1f} rollouts/s with {cfg.headroom:g} headroom: one fewer")
+    return hold(f"{shares}: within [{cfg.down_wait_share:.0%}, {cfg.up_wait_share:.0%}] or the supply is needed")
