@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from coordinator.evals import EvalView
 from coordinator.planner import BatchCounts, BatchRecord
-from coordinator.samplers import HEALTHY, LOST, UNHEALTHY, SamplerView
+from coordinator.samplers import DRAINING, HEALTHY, LEFT, LOST, UNHEALTHY, SamplerView
 from coordinator.service import StatusView, StepReportView
 from coordinator.syncs import COMPLETE, IN_PROGRESS, SUPERSEDED, SyncRecord, WeightUpdateInfo
 from protos import coordinator_pb2 as pb
@@ -23,7 +23,8 @@ __all__ = [
     "eval_pb",
 ]
 
-HEALTH_TO_PB = {HEALTHY: pb.SAMPLER_HEALTHY, UNHEALTHY: pb.SAMPLER_UNHEALTHY, LOST: pb.SAMPLER_LOST}
+HEALTH_TO_PB = {HEALTHY: pb.SAMPLER_HEALTHY, UNHEALTHY: pb.SAMPLER_UNHEALTHY, LOST: pb.SAMPLER_LOST,
+                DRAINING: pb.SAMPLER_DRAINING, LEFT: pb.SAMPLER_LEFT}
 SYNC_STATE_TO_PB = {
     IN_PROGRESS: pb.SYNC_IN_PROGRESS,
     COMPLETE: pb.SYNC_COMPLETE,

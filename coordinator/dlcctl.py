@@ -231,7 +231,9 @@ def _format_status(s: pb.GetStatusResponse, now: float) -> str:
     if s.pending_manual_triggers:
         lines.append(("manual sync", "pending: " + "; ".join(s.pending_manual_triggers)))
     healthy = sum(1 for x in s.samplers if x.health == pb.SAMPLER_HEALTHY)
-    lines.append(("samplers", f"{len(s.samplers)} registered, {healthy} healthy"))
+    others = [f"{n} {label}" for health, label in ((pb.SAMPLER_DRAINING, "draining"), (pb.SAMPLER_LEFT, "left"))
+              if (n := sum(1 for x in s.samplers if x.health == health))]
+    lines.append(("samplers", ", ".join([f"{len(s.samplers)} registered", f"{healthy} healthy", *others])))
     width = max(len(k) for k, _ in lines)
     head = "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
     return head + ("\n\n" + _samplers_table(s.samplers, now) if s.samplers else "")

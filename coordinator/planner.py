@@ -339,7 +339,7 @@ class BatchPlanner:
 
     def plan_ahead(self) -> list[int]:
         """Plan (and write the tasks of) every batch the horizon allows; returns the new batch ids."""
-        self._finish_last_write()
+        self.finish_last_write()
         planned = []
         while len(self.ledger) < self.horizon():
             planned.append(self._plan_batch(len(self.ledger)))
@@ -432,8 +432,9 @@ class BatchPlanner:
         )
         self._write_tasks(record, prompt_ids, already_written=written)
 
-    def _finish_last_write(self) -> None:
-        """Finish the last batch's write if it failed part-way (nothing was written after it since)."""
+    def finish_last_write(self) -> None:
+        """Finish the last batch's write if it failed part-way (nothing was written after it since). Whatever else
+        writes to the tasks stream (a re-issue, a hand-back: coordinator/handback.py) calls it first."""
         last = len(self.ledger) - 1
         if last in self.ledger and not (record := self.ledger.get(last)).tasks_written:
             self._finish_write(record)
@@ -456,7 +457,7 @@ class BatchPlanner:
 
         record = self.ledger.get(batch_id)
         assert slots and record.status == "planned", (batch_id, record.status, slots)
-        self._finish_last_write()
+        self.finish_last_write()
         groups = self._replanned_groups(record)
         tasks = []
         for group_id, indices in slots_by_group(slots).items():

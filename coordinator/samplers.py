@@ -1,10 +1,16 @@
 """Registered samplers: identity, loaded weight version, liveness and health.
 
 Health is derived, not stored as a state machine:
-- LOST when no heartbeat arrived within `heartbeat_timeout_s` (not waited for by syncs);
+- LEFT once it left the fleet cleanly (LeaveFleet done: its pending tasks were served again), until it registers
+  again;
+- else LOST when no heartbeat arrived within `heartbeat_timeout_s` (not waited for by syncs; its pending tasks
+  are served again);
+- else DRAINING while it leaves (LeaveFleet not done: it finishes the tasks it holds and takes no new one);
 - else UNHEALTHY when it missed a sync ack or failed to load a version (`unhealthy_reason` set), cleared
   when it acks the published version or registers again;
 - else HEALTHY.
+Only HEALTHY and UNHEALTHY samplers are live: syncs wait for them, and a stalled batch is re-issued only while
+one is.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SAMPLER_ID_PATTERN", "SamplerRecord", "SamplerRegistry", "HEALTHY", "UNHEALTHY", "LOST"]
+__all__ = ["SAMPLER_ID_PATTERN", "SamplerRecord", "SamplerRegistry", "HEALTHY", "UNHEALTHY", "LOST", "DRAINING",
+           "LEFT", "LIVE"]
 
 SAMPLER_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
-HEALTHY, UNHEALTHY, LOST = "healthy", "unhealthy", "lost"
+HEALTHY, UNHEALTHY, LOST, DRAINING, LEFT = "healthy", "unhealthy", "lost", "draining", "left"
+LIVE = frozenset({HEALTHY, UNHEALTHY})
+"""The healths of a live sampler: syncs wait for it."""
 
 
 @dataclass
@@ -38,6 +47,10 @@ class SamplerRecord:
     num_inflight_tasks: int = 0
     num_rollouts: int = 0
     num_tokens: int = 0
+    draining_since: float = 0.0
+    """When it said it leaves the fleet (LeaveFleet, not done); 0 = not leaving."""
+    left_at: float = 0.0
+    """When it left the fleet (LeaveFleet, done); 0 = it has not."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,16 +102,18 @@ class SamplerRegistry:
         return [self._records[sid] for sid in sorted(self._records)]
 
     def forgettable(self, after_s: float, now: float | None = None) -> list[str]:
-        """Samplers silent for longer than `after_s` (lost long ago: a replaced container's id)."""
+        """Samplers lost or left for longer than `after_s` (a replaced container's id)."""
         now = self.clock() if now is None else now
-        return sorted(sid for sid, r in self._records.items() if now - r.last_heartbeat_at > after_s)
+        return sorted(
+            sid for sid, r in self._records.items() if now - max(r.last_heartbeat_at, r.left_at) > after_s
+        )
 
     def forget(self, sampler_ids: Iterable[str]) -> None:
         """Drop `sampler_ids` from memory (their removal from Redis is the caller's)."""
         for sampler_id in sampler_ids:
             self._records.pop(sampler_id, None)
             self._reported_lost.discard(sampler_id)
-            logger.info("sampler %s forgotten (lost for long)", sampler_id)
+            logger.info("sampler %s forgotten (lost or left long ago)", sampler_id)
 
     def register(self, sampler_id: str, *, weight_version: int, hostname: str, pid: int) -> SamplerRecord:
         now = self.clock()
@@ -159,6 +174,20 @@ class SamplerRegistry:
             logger.info("sampler %s is healthy again (loaded version %d)", sampler_id, weight_version)
         return record
 
+    def mark_draining(self, sampler_id: str) -> SamplerRecord:
+        """It is leaving the fleet: finishing what it holds (the first call's time is kept)."""
+        record = self._records[sampler_id]
+        if record.draining_since or record.left_at:
+            return record
+        return self._change(record, draining_since=self.clock())
+
+    def mark_left(self, sampler_id: str) -> SamplerRecord:
+        """It left the fleet (the first call's time is kept)."""
+        record = self._records[sampler_id]
+        if record.left_at:
+            return record
+        return self._change(record, left_at=self.clock())
+
     def mark_unhealthy(self, sampler_id: str, reason: str) -> None:
         record = self._records.get(sampler_id)
         if record is None:
@@ -183,20 +212,24 @@ class SamplerRegistry:
 
     def health(self, record: SamplerRecord, now: float | None = None) -> tuple[str, str]:
         now = self.clock() if now is None else now
+        if record.left_at:
+            return LEFT, f"left the fleet {max(0.0, now - record.left_at):.0f} s ago"
         silent_s = now - record.last_heartbeat_at
         if silent_s > self.heartbeat_timeout_s:
             return LOST, f"no heartbeat for {silent_s:.0f} s (timeout {self.heartbeat_timeout_s:g} s)"
+        if record.draining_since:
+            return DRAINING, f"leaving the fleet for {max(0.0, now - record.draining_since):.0f} s"
         if record.unhealthy_reason:
             return UNHEALTHY, record.unhealthy_reason
         return HEALTHY, ""
 
     def is_live(self, sampler_id: str, now: float | None = None) -> bool:
         record = self._records.get(sampler_id)
-        return record is not None and self.health(record, now)[0] != LOST
+        return record is not None and self.health(record, now)[0] in LIVE
 
     def live_ids(self, now: float | None = None) -> list[str]:
         now = self.clock() if now is None else now
-        return sorted(sid for sid, r in self._records.items() if self.health(r, now)[0] != LOST)
+        return sorted(sid for sid, r in self._records.items() if self.health(r, now)[0] in LIVE)
 
     def views(self) -> list[SamplerView]:
         now = self.clock()

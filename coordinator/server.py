@@ -35,6 +35,7 @@ from coordinator import auth, convert
 from coordinator.dashboard import DashboardServer
 from coordinator.errors import CoordinatorError, FailedPrecondition, InvalidArgument, NotFound
 from coordinator.read_cache import ReadCache
+from coordinator.samplers import LIVE, UNHEALTHY
 from coordinator.service import Coordinator
 from coordinator.syncs import WeightBroadcaster
 from coordinator.worker import READ, CoordinatorThread
@@ -57,6 +58,7 @@ STATE_CHANGING_METHODS = frozenset(
         "SubscribeWeightUpdates",
         "AckWeightVersion",
         "Heartbeat",
+        "LeaveFleet",
         "MarkBatchComplete",
         "ReportBatchProgress",
         "ReportStep",
@@ -206,6 +208,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             num_tokens=request.num_tokens,
         )
         return pb.HeartbeatResponse(published_version=published, health=convert.HEALTH_TO_PB[health_name])
+
+    async def LeaveFleet(self, request: pb.LeaveFleetRequest, context) -> pb.LeaveFleetResponse:
+        reissued, health_name = await self._call(
+            context, self._core.leave_fleet, request.sampler_id, done=request.done, reason=request.reason
+        )
+        return pb.LeaveFleetResponse(tasks_reissued=reissued, health=convert.HEALTH_TO_PB[health_name])
 
     # -------------------------------------------------------------------------------------- trainer
 
@@ -488,13 +496,16 @@ class CoordinatorServer:
             "trainer_version": status.trainer_version,
             "batches_trained": status.counts.trained,
             "batches_planned": status.counts.total,
-            "samplers_live": sum(1 for s in status.samplers if s.health != "lost"),
-            "samplers_unhealthy": sum(1 for s in status.samplers if s.health == "unhealthy"),
+            "samplers_live": sum(1 for s in status.samplers if s.health in LIVE),
+            "samplers_unhealthy": sum(1 for s in status.samplers if s.health == UNHEALTHY),
             "syncs": status.num_syncs,
             "tasks_queue_depth": status.tasks_queue_depth,
             "rollouts_queue_depth": status.rollouts_queue_depth,
             "dead_letters": status.deadletter_length,
             "slots_reissued": status.slots_reissued,
+            # tasks pending at a sampler served again when it left the fleet / was found lost (coordinator/handback.py)
+            "tasks_reissued_left": status.tasks_reissued_left,
+            "tasks_reissued_lost": status.tasks_reissued_lost,
         }
         if status.last_ess_lag is not None:
             gauges["last_ess_lag"] = status.last_ess_lag

@@ -2,12 +2,14 @@
 
 It holds the run's state and wires its parts: the batch planner and ledger (`planner`), with the trainer's
 batch calls, stalls and planning retries over them (`accounting`); a step's bookkeeping (`steps`), with the
-sync policy (`sync_policy`); the samplers (`samplers`) and the sync tracker (`syncs`); the run's lock, its
+sync policy (`sync_policy`); the samplers (`samplers`), the hand-back of the tasks pending at a sampler that
+left the fleet or was lost (`handback`), and the sync tracker (`syncs`); the run's lock, its
 scalars and the loading and writing back of the whole state (`persistence`, over the Redis store `state`).
 Every argument a client sends is validated (`errors`); answers are the dataclasses of `views`. The gRPC
 layer (`server`) only converts messages and maps `CoordinatorError` to status codes. Lifecycle: `start()`
 (take the run's lock, load or create the state, finish an interrupted task write, plan ahead), the public
-calls, `tick()` every fraction of a second (ack timeouts, lost samplers, planning retries, the lock), `stop()`.
+calls, `tick()` every fraction of a second (ack timeouts, lost samplers and their tasks, planning retries, the
+lock), `stop()`.
 
 Not thread-safe: the server calls it from one worker thread.
 """
@@ -35,6 +37,7 @@ from coordinator.errors import (
     short_text,
 )
 from coordinator.evals import EvalView, check_eval_query, read_evals
+from coordinator.handback import TaskHandBack
 from coordinator.persistence import (
     LOCK_TTL_S,
     RunLock,
@@ -46,7 +49,7 @@ from coordinator.persistence import (
     whole_state,
 )
 from coordinator.planner import BATCH_STATUSES, BatchCounts, BatchLedger, BatchPlanner, BatchRecord
-from coordinator.samplers import SamplerRegistry, SamplerView
+from coordinator.samplers import LEFT, LOST, SamplerRegistry, SamplerView
 from coordinator.state import CoordinatorStore, StateWrite, TasksStream
 from coordinator.steps import proven_trained, replayed_answer, step_change, sync_decision
 from coordinator.sync_policy import ManualTriggers, PolicyInputError, describe
@@ -125,6 +128,7 @@ class Coordinator:
         self.samplers: SamplerRegistry
         self.syncs: SyncTracker
         self.triggers: ManualTriggers
+        self.handback: TaskHandBack
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -177,6 +181,7 @@ class Coordinator:
         )
         self.versions = WeightVersions(run=self.run, store=self.store, samplers=self.samplers, syncs=self.syncs,
                                        ccfg=self.ccfg, clock=self.clock)
+        self.handback = TaskHandBack(self._tasks_producer, before_write=self.planner.finish_last_write)
         resumed = len(self.ledger) > 0
         self.planner.recover()
         new = self.planner.plan_ahead()
@@ -199,10 +204,11 @@ class Coordinator:
         return whole_state(self._meta, self.run, self.ledger, self.samplers, self.syncs, self.triggers)
 
     def tick(self) -> None:
-        """Periodic work: the state in Redis, lost samplers, ack deadlines, planning retries, the run lock."""
+        """Periodic work: the state in Redis, lost samplers (their pending tasks served again at once), ack
+        deadlines, planning retries, the run lock."""
         assert self._started
         self._check_state()
-        self.samplers.report_lost()
+        self.handback.reissue_lost(self.samplers.report_lost(), still_lost=self._still_lost)
         forgotten = self.samplers.forgettable(self.ccfg.forget_lost_sampler_s)
         if forgotten:
             self.store.commit(StateWrite(drop_samplers=forgotten))
@@ -289,6 +295,34 @@ class Coordinator:
         record = self.samplers.heartbeat(sampler_id, weight_version=weight_version, num_inflight_tasks=num_inflight_tasks,
                                          num_rollouts=num_rollouts, num_tokens=num_tokens)
         return self.published_version, self.samplers.health(record)[0]
+
+    def leave_fleet(self, sampler_id: str, *, done: bool, reason: str = "") -> tuple[int, str]:
+        """The sampler leaves the fleet: `done` False, it drains (no sync waits for it); `done` True, the tasks still
+        pending at it are served again, and it has left. Idempotent. Returns (tasks re-served now, its health)."""
+        self._require_sampler(sampler_id)
+        short_text("reason", reason)
+        reason = reason or "no reason given"
+        before = self.samplers.get(sampler_id)
+        if done:
+            reissued = self.reissue_pending(sampler_id)
+            record = self.samplers.mark_left(sampler_id)
+            logger.info("sampler %s left: %s; %d tasks re-served", sampler_id, reason, reissued)
+        else:
+            reissued = 0
+            record = self.samplers.mark_draining(sampler_id)
+            if not (before.draining_since or before.left_at):
+                logger.info("sampler %s draining: %s", sampler_id, reason)
+        self.syncs.leave_out(sampler_id)  # the sync in progress stops waiting for it
+        return reissued, self.samplers.health(record)[0]
+
+    def reissue_pending(self, consumer: str, why: str = LEFT) -> int:
+        """Serve again at once the tasks pending at `consumer` (a sampler id) in the samplers' group of the tasks
+        stream (coordinator/handback.py); returns how many. `why`: LEFT or LOST (counted apart)."""
+        return self.handback.reissue(consumer, why)
+
+    def _still_lost(self, sampler_id: str) -> bool:
+        record = self.samplers.get(sampler_id)
+        return record is not None and self.samplers.health(record)[0] == LOST
 
     # -------------------------------------------------------------------------------------- trainer
 
@@ -451,4 +485,6 @@ class Coordinator:
             group_size=self.ccfg.group_size,
             max_inflight_batches=self.ccfg.max_inflight_batches,
             slots_reissued=self.slots_reissued,
+            tasks_reissued_left=self.handback.reissued[LEFT],
+            tasks_reissued_lost=self.handback.reissued[LOST],
         )

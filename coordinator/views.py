@@ -63,3 +63,7 @@ class StatusView:
     group_size: int
     max_inflight_batches: int
     slots_reissued: int
+    tasks_reissued_left: int = 0
+    """Tasks pending at samplers that left the fleet, served again (since this coordinator started)."""
+    tasks_reissued_lost: int = 0
+    """Tasks pending at samplers found lost (no heartbeat), served again (since this coordinator started)."""

@@ -13,6 +13,8 @@ class SamplerHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAMPLER_HEALTHY: _ClassVar[SamplerHealth]
     SAMPLER_UNHEALTHY: _ClassVar[SamplerHealth]
     SAMPLER_LOST: _ClassVar[SamplerHealth]
+    SAMPLER_DRAINING: _ClassVar[SamplerHealth]
+    SAMPLER_LEFT: _ClassVar[SamplerHealth]
 
 class BatchStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +33,8 @@ SAMPLER_HEALTH_UNSPECIFIED: SamplerHealth
 SAMPLER_HEALTHY: SamplerHealth
 SAMPLER_UNHEALTHY: SamplerHealth
 SAMPLER_LOST: SamplerHealth
+SAMPLER_DRAINING: SamplerHealth
+SAMPLER_LEFT: SamplerHealth
 BATCH_STATUS_UNSPECIFIED: BatchStatus
 BATCH_PLANNED: BatchStatus
 BATCH_COMPLETE: BatchStatus
@@ -296,6 +300,24 @@ class HeartbeatResponse(_message.Message):
     published_version: int
     health: SamplerHealth
     def __init__(self, published_version: _Optional[int] = ..., health: _Optional[_Union[SamplerHealth, str]] = ...) -> None: ...
+
+class LeaveFleetRequest(_message.Message):
+    __slots__ = ("sampler_id", "done", "reason")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    done: bool
+    reason: str
+    def __init__(self, sampler_id: _Optional[str] = ..., done: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveFleetResponse(_message.Message):
+    __slots__ = ("tasks_reissued", "health")
+    TASKS_REISSUED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    tasks_reissued: int
+    health: SamplerHealth
+    def __init__(self, tasks_reissued: _Optional[int] = ..., health: _Optional[_Union[SamplerHealth, str]] = ...) -> None: ...
 
 class MarkBatchCompleteRequest(_message.Message):
     __slots__ = ("batch_id", "num_rollouts")

@@ -55,6 +55,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.LeaveFleet = channel.unary_unary(
+                '/dlc.coordinator.v1.Coordinator/LeaveFleet',
+                request_serializer=protos_dot_coordinator__pb2.LeaveFleetRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.LeaveFleetResponse.FromString,
+                _registered_method=True)
         self.MarkBatchComplete = channel.unary_unary(
                 '/dlc.coordinator.v1.Coordinator/MarkBatchComplete',
                 request_serializer=protos_dot_coordinator__pb2.MarkBatchCompleteRequest.SerializeToString,
@@ -145,6 +150,17 @@ class CoordinatorServicer:
     def Heartbeat(self, request, context):
         """Sampler: liveness. A sampler without a heartbeat for `coordinator.sampler_heartbeat_timeout_s` is
         LOST and no sync waits for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveFleet(self, request, context):
+        """Sampler: it is leaving the fleet (scale-down, rolling update, stop). `done = false`: it is DRAINING: it takes no
+        new task and finishes those it holds within sampler.drain_s; no sync waits for it. `done = true`: it has pushed
+        (and acked) every rollout it finished; the tasks still pending at it are served again at once (each re-added to
+        the tasks stream as it was, and acked at the leaver), and it is LEFT. Idempotent. (A sampler LOST by its
+        heartbeat has its pending tasks served again the same way, at once.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -268,6 +284,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=protos_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'LeaveFleet': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveFleet,
+                    request_deserializer=protos_dot_coordinator__pb2.LeaveFleetRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.LeaveFleetResponse.SerializeToString,
             ),
             'MarkBatchComplete': grpc.unary_unary_rpc_method_handler(
                     servicer.MarkBatchComplete,
@@ -434,6 +455,33 @@ class Coordinator:
             '/dlc.coordinator.v1.Coordinator/Heartbeat',
             protos_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             protos_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveFleet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlc.coordinator.v1.Coordinator/LeaveFleet',
+            protos_dot_coordinator__pb2.LeaveFleetRequest.SerializeToString,
+            protos_dot_coordinator__pb2.LeaveFleetResponse.FromString,
             options,
             channel_credentials,
             insecure,

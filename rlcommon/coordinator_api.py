@@ -7,7 +7,7 @@ and credentials are rlcommon/rpc.py's clients; each call keeps their retry rule 
 
     Coordinator        blocking: report_step, mark_batch_complete, report_batch_progress, announce_published,
                        status, syncs
-    AsyncCoordinator   asyncio (a sampler): register, weight_updates, ack_weight_version, heartbeat
+    AsyncCoordinator   asyncio (a sampler): register, weight_updates, ack_weight_version, heartbeat, leave_fleet
 
 The dataclasses hold what callers read; the RPC reference is protos/coordinator.proto.
 """
@@ -25,6 +25,8 @@ __all__ = [
     "HEALTHY",
     "UNHEALTHY",
     "LOST",
+    "DRAINING",
+    "LEFT",
     "AsyncCoordinator",
     "BatchCounts",
     "Coordinator",
@@ -36,8 +38,9 @@ __all__ = [
     "WeightUpdate",
 ]
 
-HEALTHY, UNHEALTHY, LOST = "healthy", "unhealthy", "lost"
-_HEALTH = {pb.SAMPLER_HEALTHY: HEALTHY, pb.SAMPLER_UNHEALTHY: UNHEALTHY, pb.SAMPLER_LOST: LOST}
+HEALTHY, UNHEALTHY, LOST, DRAINING, LEFT = "healthy", "unhealthy", "lost", "draining", "left"
+_HEALTH = {pb.SAMPLER_HEALTHY: HEALTHY, pb.SAMPLER_UNHEALTHY: UNHEALTHY, pb.SAMPLER_LOST: LOST,
+           pb.SAMPLER_DRAINING: DRAINING, pb.SAMPLER_LEFT: LEFT}
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,16 @@ class AsyncCoordinator:
             num_rollouts=num_rollouts, num_tokens=num_tokens,
         ), timeout_s=timeout_s, retry=retry)
         return reply.published_version
+
+    async def leave_fleet(self, *, sampler_id: str, done: bool, reason: str = "", timeout_s: float | None = None,
+                          retry: bool = True) -> int:
+        """The sampler leaves the fleet: `done` False, it drains (takes no new task, finishes those it holds; no sync
+        waits for it); `done` True, it has pushed and acked what it finished, and the coordinator serves the tasks still
+        pending at it again at once. Idempotent. Returns the tasks the coordinator served again."""
+        reply = await self.client.call("LeaveFleet", pb.LeaveFleetRequest(
+            sampler_id=sampler_id, done=done, reason=reason,
+        ), timeout_s=timeout_s, retry=retry)
+        return reply.tasks_reissued
 
     async def close(self) -> None:
         await self.client.close()

@@ -21,7 +21,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from rlcommon.coordinator_api import HEALTHY, LOST, UNHEALTHY, SamplerVersion  # as the coordinator answers
+from rlcommon.coordinator_api import (  # as the coordinator answers
+    HEALTHY,
+    LEFT,
+    LOST,
+    UNHEALTHY,
+    SamplerVersion,
+)
 
 __all__ = ["HEALTHY", "LOST", "UNHEALTHY", "SamplerPins", "SamplerState", "lag_refusal", "versions_to_delete"]
 
@@ -70,14 +76,14 @@ class SamplerPins:
         self._reported: set[str] = set()
 
     def serving_versions(self, samplers: Iterable[SamplerState]) -> list[int]:
-        """The versions served by samplers that pin them: not lost, and healthy or unhealthy on the same version
+        """The versions served by samplers that pin them: not lost or left, and healthy or unhealthy on the same version
         for at most `grace_s`. Updates the unhealthy-since times."""
         now = self.clock()
         seen = set()
         versions = []
         for sampler in samplers:
             seen.add(sampler.sampler_id)
-            if sampler.health == LOST:
+            if sampler.health in (LOST, LEFT):  # a draining sampler still serves its version: it pins it
                 continue
             if sampler.health == UNHEALTHY:
                 since, version = self.unhealthy_since.get(sampler.sampler_id, (now, sampler.weight_version))

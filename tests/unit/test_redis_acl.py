@@ -159,6 +159,12 @@ def test_the_coordinator_user_runs_the_coordinator(connect, admin):
         coordinator = Coordinator(cfg, conn=connect("coordinator"), encode=CharTokenizer().encode)
         coordinator.start(lock_wait_s=2)
         coordinator.register_sampler("s0", weight_version=0)
+        if attempt == 0:  # s0 leaves holding tasks: XPENDING, XRANGE, XADD, then XACK and HINCRBY, as the coordinator
+            s0 = StreamConsumer.from_config(connect("sampler"), cfg.bus, "tasks", group="samplers", consumer="s0",
+                                            expected=wire.Task, create_group=False)
+            held = s0.read(count=2)
+            assert len(held) == 2 and coordinator.leave_fleet("s0", done=True) == (2, "left")
+            assert s0.pending_count(consumer_only=True) == 0
         coordinator.trigger_sync(f"test {attempt}")
         coordinator.tick()
         coordinator.store.rewrite("test")  # the whole state written back: DEL, HSET, RPUSH, ... in one MULTI

@@ -211,3 +211,12 @@ def test_the_trainer_refuses_a_superseded_rollout_past_the_cap_and_trains_the_re
     assert spanning((2, 3), 11) == ("weight_version 3 was never published (latest published: 2) (its response "
                                     "spans weight versions [2, 3])")
     assert spanning((2, 3, 4), 11).startswith("weight_versions [3, 4] were never published")
+
+
+def test_a_sampler_that_left_pins_nothing_one_draining_still_does():
+    from rlcommon.coordinator_api import DRAINING, LEFT
+    from trainer_svc.retention import SamplerPins, SamplerState
+
+    pins = SamplerPins(grace_s=60.0)
+    versions = pins.serving_versions([SamplerState("a", 3, LEFT), SamplerState("b", 4, DRAINING)])
+    assert versions == [4]
