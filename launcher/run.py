@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,31 @@ def build_summary(*, cfg: RunConfig, rows: list[dict[str, Any]], coordinator: di
         "first_step_seconds": coordinator.get("first_step_seconds"),
         "evals": [{"weight_version": r[EVAL_VERSION_KEY], "eval_set": r["eval_set"], **eval_metrics(r)} for r in evals],
     }
+
+
+@dataclass(frozen=True)
+class CleanExits:
+    """What the services that exited with code 0 (`on-failure` leaves them stopped) mean for the run."""
+
+    left: tuple[str, ...]
+    """Samplers that left the fleet (a scale-down: SIGTERM, drained): dropped from the stack, the run goes on."""
+    remaining: int
+    """Samplers still in the stack once those are dropped."""
+    others: tuple[str, ...]
+    """Any other service: the trainer (done once it trained every step), else the end of the run."""
+
+    def reports(self) -> list[str]:
+        """One progress line per sampler that left."""
+        count = self.remaining + len(self.left)
+        return [f"{name} left the fleet (exit 0); {count - i} sampler(s) remain"
+                for i, name in enumerate(self.left, start=1)]
+
+
+def clean_exits(stopped: list[str], *, samplers: list[str]) -> CleanExits:
+    """Sort the services `stopped` with code 0 (`LocalStack.restart_exited`) among the `samplers` in the stack."""
+    left = tuple(name for name in stopped if name in samplers)
+    return CleanExits(left=left, remaining=len(samplers) - len(left),
+                      others=tuple(name for name in stopped if name not in samplers))
 
 
 def coordinator_snapshot(coordinator: Coordinator) -> dict[str, Any]:
@@ -203,14 +229,22 @@ def run(
                 plots_warmed = True
             if on_progress is not None:
                 on_progress(stack, rows)
-            stopped = stack.restart_exited(max_restarts=cfg.max_restarts, report=progress.write)
-            if stopped == ["trainer"]:
+            exits = clean_exits(stack.restart_exited(max_restarts=cfg.max_restarts, report=progress.write),
+                                samplers=stack.sampler_names())
+            for name, line in zip(exits.left, exits.reports(), strict=True):
+                stack.drop(name)
+                progress.write(line)
+            if exits.others == ("trainer",):
                 rows = progress.update()  # its last rows may have landed after the read above
                 if progress.steps >= cfg.steps:
                     break
-            if stopped:
-                raise service_died(stack.processes[stopped[0]], 0, f" with {progress.steps} of {cfg.steps} steps "
-                                   "trained; a clean exit is not restarted (compose's `restart: on-failure`)")
+            if exits.others:
+                raise service_died(stack.processes[exits.others[0]], 0, f" with {progress.steps} of {cfg.steps} "
+                                   "steps trained; a clean exit is not restarted (compose's `restart: on-failure`)")
+            if exits.left and not exits.remaining:
+                raise ServiceDied(f"every sampler left the fleet with {progress.steps} of {cfg.steps} steps trained "
+                                  "(each exited 0 after a stop signal); the logs: "
+                                  f"{stack.log_dir}/sampler-*.log")
             stack.wait_exited("trainer", POLL_S)  # a poll every POLL_S, and at once when the trainer is done
         stack.timeline("trainer done (exited)")
         progress.update()

@@ -36,6 +36,10 @@ REDIS_START_TIMEOUT_S = 120.0
 """Longest the embedded redis-server may take to answer (it replays its append-only file first)."""
 REDIS = "redis"
 """The embedded redis-server's name in `restarts` and in the progress lines (compose's service name)."""
+SAMPLER_MODULE = "sampler_svc"
+RESIGNAL_S = 0.5
+"""While the stack stops, how often a sampler still running is sent SIGTERM again: the first signal starts its
+drain (sampler_svc/service.py `leave`), a further one cuts it short (the run is over: its tasks are not needed)."""
 
 
 def write_private(path: Path, text: str) -> None:
@@ -46,6 +50,17 @@ def write_private(path: Path, text: str) -> None:
     os.ftruncate(fd, 0)
     with os.fdopen(fd, "w") as out:
         out.write(text)
+
+
+def wait_exited(waited: list[ServiceProcess], deadline: float, *, resignal: list[ServiceProcess]) -> None:
+    """Return once every process of `waited` has exited, or at `deadline` (time.monotonic()); meanwhile send
+    SIGTERM again every RESIGNAL_S to those of `resignal` still running: a sampler's second stop signal cuts its
+    drain short (one sent at once after the first could arrive merged with it)."""
+    while (running := [proc for proc in waited if proc.poll() is None]) and time.monotonic() < deadline:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            running[0].process.wait(timeout=min(RESIGNAL_S, max(0.0, deadline - time.monotonic())))
+        for proc in resignal:
+            proc.terminate()  # nothing for one that exited
 
 
 class LocalStack:
@@ -150,6 +165,15 @@ class LocalStack:
         proc.process.wait(timeout=30)
         proc.stop()
 
+    def sampler_names(self) -> list[str]:
+        """The samplers in the stack now (a sampler that left the fleet is dropped: `drop`)."""
+        return [name for name, proc in self.processes.items() if proc.spec.module == SAMPLER_MODULE]
+
+    def drop(self, name: str) -> None:
+        """Take an exited service out of the stack (a sampler that left the fleet): its log closed, what is left
+        of its process group killed. `start_service(name)` starts it again."""
+        self.processes.pop(name).wait_stopped(time.monotonic())
+
     def send_signal(self, name: str, signum: int) -> None:
         """Signal a service's whole process group (SIGSTOP / SIGCONT pause and resume it, engine included)."""
         os.killpg(self.processes[name].process.pid, signum)
@@ -192,7 +216,7 @@ class LocalStack:
     def restart_exited(self, *, max_restarts: int, report: Callable[[str], None] = print) -> list[str]:
         """Start again each service that has exited, as compose's `restart:` would (`restart_delay`), and
         `report` it. Returns the services that exited with code 0 and that `on-failure` leaves stopped (the
-        trainer once it is done); raises ServiceDied for one that exited once too often. A restarted
+        trainer once it is done, a sampler that left the fleet: `launcher.run.clean_exits`); raises ServiceDied for one that exited once too often. A restarted
         coordinator is waited for until it serves (one that dies while starting is seen at the next call).
         The embedded redis-server comes first (`unless-stopped`), on its port, folder and users: the services
         ride out its absence by reconnecting (`redis.reconnect_max_s`)."""
@@ -251,8 +275,9 @@ class LocalStack:
 
     def stop(self) -> None:
         """Stop every service, then redis-server, and release the run folder. The trainer and the samplers stop
-        together; the coordinator once the trainer, its last caller, has exited. Each has STOP_TIMEOUT_S before
-        it is killed; a stop takes a few seconds whatever state Redis is in (rlcommon/entrypoint.py)."""
+        together, the samplers without draining (SIGTERM again every RESIGNAL_S: the run is over); the
+        coordinator once they, its callers (a leaving sampler's LeaveFleet), have exited. Each has STOP_TIMEOUT_S
+        before it is killed; a stop takes a few seconds whatever state Redis is in (rlcommon/entrypoint.py)."""
         trainer, coordinator = self.processes.pop("trainer", None), self.processes.pop("coordinator", None)
         weights = self.processes.pop("weights", None)
         samplers = list(self.processes.values())
@@ -261,14 +286,16 @@ class LocalStack:
         for proc in filter(None, [trainer, *samplers]):
             proc.terminate()
         if trainer is not None:
+            wait_exited([trainer], deadline, resignal=samplers)
             trainer.wait_stopped(deadline)
             self.timeline("trainer stopped")
-        if coordinator is not None:
-            coordinator.terminate()
-            coordinator_deadline = time.monotonic() + STOP_TIMEOUT_S
+        wait_exited(samplers, deadline, resignal=samplers)
         for proc in samplers:
             proc.wait_stopped(deadline)
         self.timeline("samplers stopped")
+        if coordinator is not None:
+            coordinator.terminate()
+            coordinator_deadline = time.monotonic() + STOP_TIMEOUT_S
         if weights is not None:  # its last clients, the samplers, are gone
             weights.terminate()
             weights.wait_stopped(time.monotonic() + STOP_TIMEOUT_S)

@@ -3,6 +3,10 @@
 Exit codes (rlcommon/entrypoint.py): 0 after a stop signal, 2 for a bad configuration (also no GPU left to
 place it on, or memory shares of a GPU shared with the trainer that add up to more than 0.95), 1 when the engine
 or the service failed.
+
+Stopping: the first SIGTERM or SIGINT makes the sampler leave the fleet: it takes no new task, finishes those in
+hand within `sampler.drain_s`, and the coordinator serves the rest again at once (sampler_svc/service.py `leave`);
+a second signal cuts the drain short. A failure stops it at once.
 """
 
 from __future__ import annotations
@@ -20,13 +24,10 @@ async def serve(cfg: RunConfig) -> int:
     from sampler_svc.service import SamplerService
 
     service = SamplerService(cfg)
-    stop_event(service.stopping)  # a stop signal, or the service itself after a failure
+    signals = stop_event()  # set by each stop signal: the first makes the sampler leave the fleet, the next cut it short
     try:
         await service.start()
-        runner = asyncio.create_task(service.run())
-        await service.stopping.wait()
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
+        await service.serve_until_stopped(signals)
     finally:
         await service.stop()
     if service.failure is not None:

@@ -49,6 +49,14 @@ class Outbox:
             self._flusher = asyncio.create_task(self._flush())
         await future
 
+    async def flushed(self, timeout_s: float) -> bool:
+        """Wait until everything queued is sent and acked (the tasks whose push was cancelled included): True, or
+        False after `timeout_s` (the flush goes on: `close` cancels it)."""
+        if self._flusher is None or self._flusher.done():
+            return True
+        done, _ = await asyncio.wait([self._flusher], timeout=timeout_s)
+        return bool(done)
+
     async def close(self) -> None:
         """Cancel a flush in progress (its tasks stay unacked: redelivered)."""
         if self._flusher is not None:

@@ -4,6 +4,9 @@ one rollout per sample, acks the task, and follows the coordinator's weight upda
     start()  engine, streams, coordinator registration, weight-update subscription, weight loader, heartbeats
     run()    read tasks while there is capacity -> generate -> push rollouts -> ack (the tasks finishing together
              at once: sampler_svc/outbox.py)
+    leave()  on the first stop signal (scale-down, rolling update, stop): take no new task, finish those in hand
+             within `sampler.drain_s`, then the coordinator serves the rest again at once (LeaveFleet); a second
+             stop signal cuts the drain short; a failure stops at once
     stop()   cancel background work, shut the engine down (unacked tasks are redelivered to others)
 
 Weight updates are loaded by one background task, the newest heard of first. A load that fails (a corrupted or
@@ -22,11 +25,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from rlcommon.bus import Delivery, RedisConnection, StreamConsumer, StreamProducer
+from rlcommon.bus import BusUnavailableError, Delivery, RedisConnection, StreamConsumer, StreamProducer
 from rlcommon.config import ConfigError, RunConfig
 from rlcommon.coordinator_api import AsyncCoordinator, WeightUpdate
 from rlcommon.logs import timeline
@@ -45,6 +50,40 @@ from sampler_svc.weight_fetch import WeightFetcher
 
 logger = logging.getLogger("sampler")
 
+LEAVE_TIMEOUT_S = 3.0
+"""Longest wait for the coordinator's answer to LeaveFleet: a leaving sampler never waits on a coordinator that is
+away (its tasks then come back by its heartbeat's loss)."""
+FLUSH_TIMEOUT_S = 3.0
+"""After a drain, the longest wait for the outbox to push and ack what finished (a full rollout stream that no
+trainer reads any more would hold it: those tasks are handed back instead)."""
+READ_END_S = 2.0
+"""Beyond `bus.block_ms`, how long a read in progress may take to return when the sampler leaves (a Redis that no
+longer answers is cut off within about a second once the process stops: rlcommon/bus/connection.py)."""
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """How a leaving sampler's drain ended (`SamplerService.drain`)."""
+
+    finished: int
+    """Tasks in hand that finished while draining (rollouts pushed, task acked)."""
+    unfinished: int
+    """Tasks cancelled when it ended: left pending at this sampler, the coordinator serves them again."""
+    ended: str
+    """Why it ended: every task finished, drain_s passed, a second stop signal, a failure."""
+    seconds: float
+
+
+async def until_any(events: Iterable[asyncio.Event], tasks: Iterable[asyncio.Future] = (), *,
+                    timeout_s: float | None = None) -> None:
+    """Return once one of `events` is set or one of `tasks` is done, or after `timeout_s` (the tasks go on)."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait([*waits, *tasks], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
 
 class SamplerService:
     def __init__(self, cfg: RunConfig) -> None:
@@ -58,6 +97,9 @@ class SamplerService:
         self.num_tokens = 0
         self.started_at = time.monotonic()
         self.stopping = asyncio.Event()
+        """Set by `stop`, or by a failure: everything stops at once (no drain)."""
+        self.leaving = asyncio.Event()
+        """Set once this sampler leaves the fleet (its first stop signal: `leave`): it takes no new task."""
         self.engine: SamplerEngine | None = None
         self.rewards: RewardRunner | None = None
         """Scores the responses in worker processes (sampler_svc/reward_runner.py)."""
@@ -76,7 +118,8 @@ class SamplerService:
         self.load_error = ""
         """Why the last weight load failed; "" once a load succeeded."""
         self.may_take_tasks = asyncio.Event()
-        """Clear while a failed load leaves this sampler on a version older than the published one."""
+        """Clear while a failed load leaves this sampler on a version older than the published one, and once it
+        leaves the fleet (training and eval tasks alike)."""
         self.may_take_tasks.set()
         self.fetcher: WeightFetcher | None = None
         """`sampler.weight_transfer = "http"`: pulls each version into `weights_root()` before it is loaded."""
@@ -154,17 +197,35 @@ class SamplerService:
             self.conn.close()
         timeline(logger, "sampler stopped: connections closed")
 
+    async def serve_until_stopped(self, signals: asyncio.Event) -> None:
+        """`run()` until a failure (everything stops at once) or a stop signal (`signals` set): then the sampler
+        leaves the fleet first (`leave`), and a further signal cuts its drain short."""
+        runner = asyncio.create_task(self.run())
+        try:
+            await until_any([signals, self.stopping], [runner])
+            if runner.done() and not signals.is_set() and not self.stopping.is_set():
+                self.failure = runner.exception()  # the task loop failed (Redis away past redis.reconnect_max_s)
+                logger.error("taking tasks failed: %r", self.failure)
+                self.stopping.set()
+            elif not self.stopping.is_set():
+                signals.clear()  # set again by a second signal
+                await self.leave(runner, cut_short=signals)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
     # ------------------------------------------------------------------------------------------ main loop
 
     async def run(self) -> None:
-        """Take tasks only while fewer than `capacity` are in flight; others stay for other samplers."""
-        while not self.stopping.is_set():
+        """Take tasks only while fewer than `capacity` are in flight; others stay for other samplers. Ends when
+        the service stops, or once it leaves the fleet (after the read in progress: what it read is served)."""
+        while not self.stopping.is_set() and not self.leaving.is_set():
             if not self.may_take_tasks.is_set():
-                await self.may_take_tasks.wait()
+                await until_any([self.may_take_tasks, self.leaving])
                 continue
             free = self.capacity - len(self.inflight)
             if free <= 0:
-                await asyncio.wait(self.inflight, return_when=asyncio.FIRST_COMPLETED)
+                await until_any([self.leaving], list(self.inflight))
                 continue
             deliveries = await asyncio.to_thread(self.consumer.read, free)
             for delivery in deliveries:
@@ -179,7 +240,11 @@ class SamplerService:
     def _task_done(self, task: asyncio.Task, *, entry_id: bytes) -> None:
         self.inflight.discard(task)
         self.inflight_entries.discard(entry_id)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled() or task.exception() is None:
+            return
+        if self.leaving.is_set() and isinstance(task.exception(), BusUnavailableError):
+            logger.warning("a task not finished while leaving, redis unreachable: %s", task.exception())
+        else:
             logger.error("task processing failed: %r", task.exception())
             self.stopping.set()  # an engine failure: exit non-zero, the task is redelivered elsewhere
             self.failure = task.exception()
@@ -216,6 +281,76 @@ class SamplerService:
         if task.group_id >= plan.batch_size:
             raise ValueError(f"group_id {task.group_id} >= coordinator.batch_size {plan.batch_size}")
 
+    # ------------------------------------------------------------------------------------- leaving the fleet
+
+    async def leave(self, runner: asyncio.Task, *, cut_short: asyncio.Event) -> DrainResult:
+        """Leave the fleet (a stop signal): take no new task and tell the coordinator (no sync waits for this
+        sampler any more), finish the tasks in hand within `sampler.drain_s` (`drain`; `cut_short`, a second stop
+        signal, or a failure ends it at once), then tell the coordinator it is gone: it serves the tasks still
+        pending here again at once."""
+        self.leaving.set()
+        self.update_task_gate()  # eval tasks too
+        logger.info("leaving the fleet: taking no new task, finishing the %d in hand (at most %g s)",
+                    len(self.inflight), self.cfg.sampler.drain_s)
+        draining = asyncio.create_task(self.tell_leaving(done=False, reason="stop signal"))
+        result = await self.drain(runner, self.cfg.sampler.drain_s, cut_short=cut_short)
+        await draining
+        await self.stop_background()  # no heartbeat, and no registering again, once the coordinator lets it go
+        handed_back = await self.tell_leaving(done=True, reason=f"stop signal; drained: {result.ended}")
+        if handed_back is None:
+            logger.warning("left the fleet: %d tasks finished while draining; the coordinator was not told, so the "
+                           "tasks still pending here come back once it misses this sampler's heartbeats "
+                           "(coordinator.sampler_heartbeat_timeout_s) or after bus.claim_idle_ms", result.finished)
+        else:
+            logger.info("left the fleet: %d tasks finished while draining, %d handed back (%s, %.1f s)",
+                        result.finished, handed_back, result.ended, result.seconds)
+        return result
+
+    async def drain(self, runner: asyncio.Task, drain_s: float, *, cut_short: asyncio.Event) -> DrainResult:
+        """Wait for the task loop `runner` to end (a read in progress returns: its tasks are served too), then
+        until every task in hand is finished (pushed and acked), `drain_s` passed, `cut_short` is set or the
+        service failed; cancel what is left and let the outbox push and ack what finished."""
+        started = time.monotonic()
+        ends = [cut_short, self.stopping]
+        await until_any(ends, [runner], timeout_s=max(drain_s, self.cfg.bus.block_ms / 1000 + READ_END_S))
+        runner.cancel()
+        held = set(self.inflight)
+        if held:
+            every_task = asyncio.ensure_future(asyncio.wait(held))
+            try:
+                await until_any(ends, [every_task], timeout_s=max(0.0, started + drain_s - time.monotonic()))
+            finally:
+                every_task.cancel()
+        unfinished = [task for task in held if not task.done()]
+        for task in unfinished:
+            task.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)
+        if self.outbox is not None and not await self.outbox.flushed(FLUSH_TIMEOUT_S):
+            logger.warning("rollouts of finished tasks not pushed within %g s: those tasks are handed back",
+                           FLUSH_TIMEOUT_S)
+        ended = ("a failure" if self.stopping.is_set() else "every task finished" if not unfinished
+                 else "a second stop signal" if cut_short.is_set() else f"drain_s ({drain_s:g} s) passed")
+        return DrainResult(finished=sum(1 for task in held if not task.cancelled() and task.exception() is None),
+                           unfinished=len(unfinished), ended=ended, seconds=time.monotonic() - started)
+
+    async def tell_leaving(self, *, done: bool, reason: str) -> int | None:
+        """LeaveFleet: draining (not `done`), or gone; returns the tasks the coordinator served again, None when
+        it could not be told (logged: a leave never waits on a coordinator that is away)."""
+        try:
+            return await self.coordinator.leave_fleet(sampler_id=self.sampler_id, done=done, reason=reason,
+                                                      timeout_s=LEAVE_TIMEOUT_S, retry=False)
+        except grpc.RpcError as err:
+            details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            logger.warning("LeaveFleet (%s) did not reach the coordinator: %s", "done" if done else "draining",
+                           details)
+            return None
+
+    async def stop_background(self) -> None:
+        """Cancel the background work: weight updates, heartbeats, the eval slice (its tasks in hand with it)."""
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+
     # ------------------------------------------------------------------------------------ coordinator side
 
     async def register(self) -> None:
@@ -226,6 +361,8 @@ class SamplerService:
             self.want(reply.latest)
         if self.load_error and self.wanted_update is not None:  # registering again cleared it at the coordinator
             await self.ack(self.wanted_update.weight_version, error=self.load_error, load_s=0.0)
+        if self.leaving.is_set():  # registered again while draining (a coordinator that forgot it): still leaving
+            await self.tell_leaving(done=False, reason="stop signal")
 
     async def follow_weight_updates(self) -> None:
         """Keep a SubscribeWeightUpdates stream open; reload and ack each update; resubscribe on loss."""
@@ -263,13 +400,15 @@ class SamplerService:
         self.update_task_gate()
 
     def update_task_gate(self) -> None:
-        """Take tasks unless a failed load left this sampler on a version older than the published one."""
+        """Take tasks unless this sampler leaves the fleet or a failed load left it on a version older than the
+        published one."""
         stale = bool(self.load_error) and self.engine.weight_version < self.published_version
-        if stale and self.may_take_tasks.is_set():
+        if (stale or self.leaving.is_set()) and self.may_take_tasks.is_set():
             self.may_take_tasks.clear()
-            logger.warning("taking no tasks while version %d cannot be loaded (serving %d)",
-                           self.published_version, self.engine.weight_version)
-        elif not stale and not self.may_take_tasks.is_set():
+            if not self.leaving.is_set():
+                logger.warning("taking no tasks while version %d cannot be loaded (serving %d)",
+                               self.published_version, self.engine.weight_version)
+        elif not stale and not self.leaving.is_set() and not self.may_take_tasks.is_set():
             self.may_take_tasks.set()
             logger.info("taking tasks again (serving version %d)", self.engine.weight_version)
 

@@ -78,6 +78,12 @@ class SamplerConfig(StrictModel):
     """Host the Prometheus port binds (compose: 0.0.0.0 inside the container, for Prometheus on its network)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Heartbeat interval to the coordinator."""
+    drain_s: float = Field(20.0, ge=0)
+    """How long a leaving sampler (its first stop signal: scale-down, rolling update, stop) may finish the tasks it
+    holds: it takes no new one, pushes what it finishes, then the coordinator serves the rest again at once
+    (sampler_svc/service.py `leave`). Must fit the orchestrator's stop grace period, with ~10 s for the rest of the
+    stop: compose and Swarm `stop_grace_period` (30s for samplers in the compose and stack files, drain_s + 10 s),
+    Kubernetes `terminationGracePeriodSeconds`. 0: hand every task back at once."""
     weight_transfer: Literal["path", "http"] = "path"
     """How this sampler gets each published version. `path`: it mounts the trainer's publish folder (shared
     storage; `weights_dir` names it when mounted elsewhere). `http`: it pulls the version from the weight server

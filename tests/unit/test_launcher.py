@@ -11,7 +11,7 @@ import pytest
 
 from launcher import processes
 from launcher.processes import ServiceDied, ServiceSpec, restart_delay
-from launcher.run import build_summary
+from launcher.run import build_summary, clean_exits
 from launcher.stack import LocalStack, write_private
 from rlcommon.config import RunConfig
 
@@ -108,6 +108,64 @@ def test_a_clean_exit_is_left_stopped_and_returned(tmp_path, monkeypatch):
         assert stack.restarts == {}
     finally:
         stack.stop()
+
+
+def test_a_sampler_that_exits_0_left_the_fleet_and_the_run_goes_on_until_the_last():
+    """Pure: a clean exit of a sampler is a scale-down (it is dropped, the others go on); any other service's is
+    the end of the run (the trainer's once done); the last sampler gone ends it too (`launcher.run.run`)."""
+    one = clean_exits(["sampler-1"], samplers=["sampler-0", "sampler-1"])
+    assert (one.left, one.remaining, one.others) == (("sampler-1",), 1, ())
+    assert one.reports() == ["sampler-1 left the fleet (exit 0); 1 sampler(s) remain"]
+    both = clean_exits(["sampler-0", "trainer", "sampler-1"], samplers=["sampler-0", "sampler-1"])
+    assert (both.left, both.remaining, both.others) == (("sampler-0", "sampler-1"), 0, ("trainer",))
+    assert both.reports() == ["sampler-0 left the fleet (exit 0); 1 sampler(s) remain",
+                              "sampler-1 left the fleet (exit 0); 0 sampler(s) remain"]
+    none = clean_exits([], samplers=["sampler-0"])
+    assert (none.left, none.remaining, none.others) == ((), 1, ())
+
+
+def test_a_sampler_that_left_is_dropped_from_the_stack(tmp_path, monkeypatch):
+    monkeypatch.setattr(processes, "RESTART_BACKOFF_S", 0.01)
+    stack = stack_of(tmp_path, ScriptSpec("sampler-0", "sampler_svc", "import time; time.sleep(600)"),
+                     ScriptSpec("sampler-1", "sampler_svc", "print('left the fleet', flush=True)"))
+    try:
+        wait_exited(stack, "sampler-1")
+        stopped = stack.restart_exited(max_restarts=3, report=pytest.fail)
+        assert stopped == ["sampler-1"] and stack.restarts == {}
+        stack.drop("sampler-1")
+        assert stack.sampler_names() == ["sampler-0"]
+        assert stack.restart_exited(max_restarts=3, report=pytest.fail) == []
+    finally:
+        stack.stop()
+    assert "left the fleet" in (tmp_path / "logs" / "sampler-1.log").read_text()
+
+
+DRAINING_SAMPLER = """
+import signal, sys, time
+signals = []
+signal.signal(signal.SIGTERM, lambda *_: signals.append(1))
+print("ready", flush=True)
+while len(signals) < 2:  # the first SIGTERM starts a drain of an hour; the second cuts it short
+    time.sleep(0.01)
+print("drain cut short", flush=True)
+"""
+
+
+def test_the_stacks_stop_cuts_a_samplers_drain_short(tmp_path):
+    """The run is over: the stack's stop sends a draining sampler SIGTERM again, and it exits by itself (0), well
+    before STOP_TIMEOUT_S would kill it."""
+    import time
+
+    stack = stack_of(tmp_path, ScriptSpec("sampler-0", "sampler_svc", DRAINING_SAMPLER))
+    log = tmp_path / "logs" / "sampler-0.log"
+    proc = stack.processes["sampler-0"]
+    deadline = time.monotonic() + 60
+    while "ready" not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.01)
+    stack.stop()
+    assert proc.process.returncode == 0
+    assert "drain cut short" in log.read_text()
 
 
 def test_progress_times_the_first_step_trained_after_the_start(tmp_path, capsys):
