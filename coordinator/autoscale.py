@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from rlcommon.config.autoscale import AutoscaleConfig
 
-__all__ = ["Demand", "FleetDecision", "StepSample", "Supply", "decide", "demand_of", "useful_samplers"]
+__all__ = ["Demand", "FleetDecision", "StepSample", "Supply", "decide", "demand_of", "upper_bound",
+           "useful_samplers"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ class Supply:
 class FleetDecision:
     desired: int
     reason: str
-    changed_at: float
-    """When `desired` last changed (the cooldown counts from it)."""
+    changed_at: float | None
+    """When `desired` last changed (the cooldown counts from it); None: never (the first count is not a change)."""
 
 
 def demand_of(steps: Sequence[StepSample], rollouts_per_step: int) -> Demand | None:
@@ -78,10 +79,17 @@ def demand_of(steps: Sequence[StepSample], rollouts_per_step: int) -> Demand | N
 
 def useful_samplers(*, max_inflight_batches: int, batch_size: int, tasks_per_sampler: int | None) -> int | None:
     """The most samplers that can all hold tasks at once: the planned-ahead groups shared out at `tasks_per_sampler`
-    each (None: a sampler takes the whole window, so only a bound from `autoscale.max` applies)."""
-    if tasks_per_sampler is None:
+    each. None (only `autoscale.max` bounds it) when a sampler may take the whole window (`sampler.max_inflight_tasks`
+    unset, the default): replicas then share the tasks as they are planned, a batch at a time, not a window each."""
+    window = max_inflight_batches * batch_size
+    if tasks_per_sampler is None or tasks_per_sampler >= window:
         return None
     return max(1, math.ceil(max_inflight_batches * batch_size / tasks_per_sampler))
+
+
+def upper_bound(cfg: AutoscaleConfig, useful: int | None) -> int:
+    """The most samplers a decision asks for: `cfg.max`, lowered to `useful` (never below `cfg.min`)."""
+    return cfg.max if useful is None else max(cfg.min, min(cfg.max, useful))
 
 
 def _needed(demand: Demand, supply: Supply, headroom: float) -> int | None:
@@ -95,18 +103,20 @@ def _needed(demand: Demand, supply: Supply, headroom: float) -> int | None:
 def decide(demand: Demand | None, supply: Supply, cfg: AutoscaleConfig, previous: FleetDecision | None, *, now: float,
            useful: int | None = None) -> FleetDecision:
     """The desired sampler count now (see the module docstring)."""
-    upper = cfg.max if useful is None else max(cfg.min, min(cfg.max, useful))
+    upper = upper_bound(cfg, useful)
 
     def bounded(count: int) -> int:
         return max(cfg.min, min(upper, count))
 
     current = supply.serving + supply.starting
-    if previous is not None and now - previous.changed_at < cfg.cooldown_s:
+    if previous is not None and previous.changed_at is not None and now - previous.changed_at < cfg.cooldown_s:
         return previous
     held = bounded(current if previous is None else previous.desired)
 
     def hold(reason: str) -> FleetDecision:
-        if previous is not None and previous.desired == held:
+        if previous is None:
+            return FleetDecision(held, reason, None)  # the count the fleet starts at: no cooldown from it
+        if previous.desired == held:
             return FleetDecision(held, reason, previous.changed_at)
         return FleetDecision(held, reason, now)
 

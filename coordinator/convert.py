@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from coordinator.evals import EvalView
+from coordinator.fleet import FleetView
 from coordinator.planner import BatchCounts, BatchRecord
 from coordinator.samplers import DRAINING, HEALTHY, LEFT, LOST, UNHEALTHY, SamplerView
 from coordinator.service import StatusView, StepReportView
@@ -20,6 +21,7 @@ __all__ = [
     "batch_plan_pb",
     "counts_pb",
     "status_pb",
+    "fleet_pb",
     "eval_pb",
 ]
 
@@ -146,6 +148,11 @@ def step_report_pb(report: StepReportView) -> pb.StepReport:
     )
 
 
+def fleet_pb(view: FleetView) -> pb.FleetSize:
+    return pb.FleetSize(desired=view.desired, reason=view.reason, changed_at=view.changed_at, serving=view.serving,
+                        starting=view.starting, draining=view.draining, min=view.min, max=view.max)
+
+
 def status_pb(view: StatusView) -> pb.GetStatusResponse:
     reply = pb.GetStatusResponse(
         run_id=view.run_id,
@@ -174,4 +181,6 @@ def status_pb(view: StatusView) -> pb.GetStatusResponse:
         reply.last_step.CopyFrom(step_report_pb(view.last_step))
     if view.sync_in_progress is not None:
         reply.sync_in_progress.CopyFrom(sync_pb(view.sync_in_progress))
+    if view.fleet is not None:
+        reply.fleet.CopyFrom(fleet_pb(view.fleet))
     return reply

@@ -1,9 +1,10 @@
 """What the dashboard shows, as JSON-ready dicts (coordinator/dashboard.py serves them).
 
 - `overview`: the coordinator's status, sync history and samplers (read on the coordinator's thread, where
-  every RPC reads them), the step series the coordinator keeps in Redis (`coord:steps`, one row per
-  ReportStep: the trainer's statistics), the newest dead letters with their reasons, and the evaluations while
-  training (the trainer's records: coordinator/evals.py), a chart per eval set over the versions evaluated.
+  every RPC reads them), the desired sampler count and why (`fleet`: coordinator/fleet.py), the step series the
+  coordinator keeps in Redis (`coord:steps`, one row per ReportStep: the trainer's statistics), the newest dead
+  letters with their reasons, and the evaluations while training (the trainer's records: coordinator/evals.py), a
+  chart per eval set over the versions evaluated.
 - `batches` / `batch`: the ledger's recent batches, and one trained batch's rollouts as the samplers sent them,
   read back from the rollouts stream by the ids the trainer recorded for that batch, with its per-token
   log-ratios (`dlc:<run_id>:tokens`, the last `trainer.dashboard_token_batches` trained batches:
@@ -161,6 +162,7 @@ class DashboardData:
             "queue": {"tasks": status.tasks_queue_depth, "rollouts": status.rollouts_queue_depth},
             "slots_reissued": status.slots_reissued,
             "samplers": [self._sampler(v, status) for v in status.samplers],
+            "fleet": status.fleet.to_dict() if status.fleet is not None else None,
             "syncs": [self._sync(s) for s in syncs],
             "deadletters": {"length": status.deadletter_length, "recent": self.dead_letters()},
             "evals": self.evals(),

@@ -1,6 +1,7 @@
 """`dlcctl`: inspect and steer a running coordinator.
 
-    dlcctl status                    versions, last step, batches, queues, sync in progress, samplers
+    dlcctl status                    versions, last step, batches, queues, sync in progress, samplers, the
+                                     desired sampler count (fleet) and why
     dlcctl samplers                  registered samplers with version and health
     dlcctl syncs [--limit N]         sync history, newest first
     dlcctl plan K                    the plan of batch K (prompt groups, task ids, ledger status)
@@ -176,6 +177,14 @@ def _counts_line(c: pb.BatchCounts) -> str:
     )
 
 
+def _fleet_line(f: pb.FleetSize) -> str:
+    """The desired sampler count and why (coordinator/fleet.py); a coordinator that decided nothing yet sends none."""
+    if not f.reason:
+        return "no decision yet"
+    return (f"desired {f.desired} samplers ({f.serving} serving, {f.starting} starting, {f.draining} draining; "
+            f"min {f.min}, max {f.max}): {f.reason}")
+
+
 def _format_status(s: pb.GetStatusResponse, now: float) -> str:
     lines = [
         ("run", s.run_id),
@@ -234,6 +243,7 @@ def _format_status(s: pb.GetStatusResponse, now: float) -> str:
     others = [f"{n} {label}" for health, label in ((pb.SAMPLER_DRAINING, "draining"), (pb.SAMPLER_LEFT, "left"))
               if (n := sum(1 for x in s.samplers if x.health == health))]
     lines.append(("samplers", ", ".join([f"{len(s.samplers)} registered", f"{healthy} healthy", *others])))
+    lines.append(("fleet", _fleet_line(s.fleet)))
     width = max(len(k) for k, _ in lines)
     head = "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
     return head + ("\n\n" + _samplers_table(s.samplers, now) if s.samplers else "")
@@ -356,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
-        "status", parents=[common], help="versions, last step, batches, queues, syncs, samplers"
+        "status", parents=[common], help="versions, last step, batches, queues, syncs, samplers, desired fleet size"
     )
     commands.add_parser("samplers", parents=[common], help="registered samplers with version and health")
     syncs = commands.add_parser("syncs", parents=[common], help="sync history, newest first")

@@ -206,6 +206,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             num_inflight_tasks=request.num_inflight_tasks,
             num_rollouts=request.num_rollouts,
             num_tokens=request.num_tokens,
+            busy_s=request.busy_s,
         )
         return pb.HeartbeatResponse(published_version=published, health=convert.HEALTH_TO_PB[health_name])
 
@@ -507,6 +508,8 @@ class CoordinatorServer:
             "tasks_reissued_left": status.tasks_reissued_left,
             "tasks_reissued_lost": status.tasks_reissued_lost,
         }
+        if status.fleet is not None:  # what an orchestrator scales the samplers to (coordinator/fleet.py)
+            gauges["desired_samplers"] = status.fleet.desired
         if status.last_ess_lag is not None:
             gauges["last_ess_lag"] = status.last_ess_lag
         if self.servicer is not None:  # the read calls' load: answered, computed (the rest shared), refused

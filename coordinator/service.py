@@ -37,6 +37,7 @@ from coordinator.errors import (
     short_text,
 )
 from coordinator.evals import EvalView, check_eval_query, read_evals
+from coordinator.fleet import FleetMeter
 from coordinator.handback import TaskHandBack
 from coordinator.persistence import (
     LOCK_TTL_S,
@@ -120,6 +121,8 @@ class Coordinator:
         self.run = RunValues.empty(self.ccfg.keep_step_rows)
         """Published and trainer versions, the last step, the step series (loaded by start())."""
         self._meta: dict[str, Any] = {}
+        self.fleet = FleetMeter.from_config(cfg)
+        """The desired sampler count, from the trainer's steps and the samplers' heartbeats (coordinator/fleet.py)."""
         # Loaded by start():
         self.ledger: BatchLedger
         self.planner: BatchPlanner
@@ -205,7 +208,7 @@ class Coordinator:
 
     def tick(self) -> None:
         """Periodic work: the state in Redis, lost samplers (their pending tasks served again at once), ack
-        deadlines, planning retries, the run lock."""
+        deadlines, planning retries, the desired fleet size (coordinator/fleet.py), the run lock."""
         assert self._started
         self._check_state()
         self.handback.reissue_lost(self.samplers.report_lost(), still_lost=self._still_lost)
@@ -213,6 +216,8 @@ class Coordinator:
         if forgotten:
             self.store.commit(StateWrite(drop_samplers=forgotten))
             self.samplers.forget(forgotten)
+            self.fleet.forget(forgotten)
+        self.fleet.observe(self.samplers.views(), now=self.clock())
         self.versions.check_acks()
         self.accounting.retry_planning()
         self._lock.renew()
@@ -284,7 +289,7 @@ class Coordinator:
 
     def heartbeat(
         self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int = 0, num_rollouts: int = 0,
-        num_tokens: int = 0,
+        num_tokens: int = 0, busy_s: float = 0.0,
     ) -> tuple[int, str]:
         """Returns (published version, health)."""
         self._require_sampler(sampler_id)
@@ -292,8 +297,11 @@ class Coordinator:
         non_negative("num_inflight_tasks", num_inflight_tasks)
         non_negative("num_rollouts", num_rollouts)
         non_negative("num_tokens", num_tokens)
+        if not (math.isfinite(busy_s) and busy_s >= 0):
+            raise InvalidArgument("busy_s", f"must be a finite number >= 0, got {busy_s}")
         record = self.samplers.heartbeat(sampler_id, weight_version=weight_version, num_inflight_tasks=num_inflight_tasks,
                                          num_rollouts=num_rollouts, num_tokens=num_tokens)
+        self.fleet.on_heartbeat(sampler_id, num_rollouts=num_rollouts, busy_s=busy_s)
         return self.published_version, self.samplers.health(record)[0]
 
     def leave_fleet(self, sampler_id: str, *, done: bool, reason: str = "") -> tuple[int, str]:
@@ -383,6 +391,7 @@ class Coordinator:
         )
         self.store.commit(change.write)
         change.apply(self.run, self.ledger, self.triggers)  # written: apply
+        self.fleet.on_step(clean_stats)
         logger.info("step %d (batch %d): publish=%s (%s)", step, batch_id, decision.publish, decision.reason)
         self.accounting.plan_ahead()
         return StepAnswer(decision, self.run.next_version(weight_version), self.counts(), self.sampler_views())
@@ -487,4 +496,5 @@ class Coordinator:
             slots_reissued=self.slots_reissued,
             tasks_reissued_left=self.handback.reissued[LEFT],
             tasks_reissued_lost=self.handback.reissued[LOST],
+            fleet=self.fleet.view(),
         )

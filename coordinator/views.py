@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.fleet import FleetView
 from coordinator.planner import BatchCounts, BatchRecord
 from coordinator.samplers import SamplerView
 from coordinator.sync_policy import SyncDecision
@@ -67,3 +68,5 @@ class StatusView:
     """Tasks pending at samplers that left the fleet, served again (since this coordinator started)."""
     tasks_reissued_lost: int = 0
     """Tasks pending at samplers found lost (no heartbeat), served again (since this coordinator started)."""
+    fleet: FleetView | None = None
+    """The desired sampler count and why (coordinator/fleet.py)."""

@@ -280,18 +280,20 @@ class AckWeightVersionResponse(_message.Message):
     def __init__(self, published_version: _Optional[int] = ..., sync_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("sampler_id", "weight_version", "num_inflight_tasks", "num_rollouts", "num_tokens")
+    __slots__ = ("sampler_id", "weight_version", "num_inflight_tasks", "num_rollouts", "num_tokens", "busy_s")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_TASKS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     weight_version: int
     num_inflight_tasks: int
     num_rollouts: int
     num_tokens: int
-    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., num_inflight_tasks: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    busy_s: float
+    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., num_inflight_tasks: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("published_version", "health")
@@ -427,8 +429,28 @@ class QueueDepths(_message.Message):
     deadletter: int
     def __init__(self, tasks: _Optional[int] = ..., rollouts: _Optional[int] = ..., deadletter: _Optional[int] = ...) -> None: ...
 
+class FleetSize(_message.Message):
+    __slots__ = ("desired", "reason", "changed_at", "serving", "starting", "draining", "min", "max")
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_AT_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    desired: int
+    reason: str
+    changed_at: float
+    serving: int
+    starting: int
+    draining: int
+    min: int
+    max: int
+    def __init__(self, desired: _Optional[int] = ..., reason: _Optional[str] = ..., changed_at: _Optional[float] = ..., serving: _Optional[int] = ..., starting: _Optional[int] = ..., draining: _Optional[int] = ..., min: _Optional[int] = ..., max: _Optional[int] = ...) -> None: ...
+
 class GetStatusResponse(_message.Message):
-    __slots__ = ("run_id", "sync_policy", "published_version", "trainer_version", "last_ess_lag", "last_step", "batches", "samplers", "queues", "sync_in_progress", "pending_manual_triggers", "num_syncs", "started_at", "sync_policy_detail", "batch_size", "group_size", "max_inflight_batches", "slots_reissued")
+    __slots__ = ("run_id", "sync_policy", "published_version", "trainer_version", "last_ess_lag", "last_step", "batches", "samplers", "queues", "sync_in_progress", "pending_manual_triggers", "num_syncs", "started_at", "sync_policy_detail", "batch_size", "group_size", "max_inflight_batches", "slots_reissued", "fleet")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_POLICY_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +469,7 @@ class GetStatusResponse(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_REISSUED_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sync_policy: str
     published_version: int
@@ -465,7 +488,8 @@ class GetStatusResponse(_message.Message):
     group_size: int
     max_inflight_batches: int
     slots_reissued: int
-    def __init__(self, run_id: _Optional[str] = ..., sync_policy: _Optional[str] = ..., published_version: _Optional[int] = ..., trainer_version: _Optional[int] = ..., last_ess_lag: _Optional[float] = ..., last_step: _Optional[_Union[StepReport, _Mapping]] = ..., batches: _Optional[_Union[BatchCounts, _Mapping]] = ..., samplers: _Optional[_Iterable[_Union[SamplerInfo, _Mapping]]] = ..., queues: _Optional[_Union[QueueDepths, _Mapping]] = ..., sync_in_progress: _Optional[_Union[SyncRecord, _Mapping]] = ..., pending_manual_triggers: _Optional[_Iterable[str]] = ..., num_syncs: _Optional[int] = ..., started_at: _Optional[float] = ..., sync_policy_detail: _Optional[str] = ..., batch_size: _Optional[int] = ..., group_size: _Optional[int] = ..., max_inflight_batches: _Optional[int] = ..., slots_reissued: _Optional[int] = ...) -> None: ...
+    fleet: FleetSize
+    def __init__(self, run_id: _Optional[str] = ..., sync_policy: _Optional[str] = ..., published_version: _Optional[int] = ..., trainer_version: _Optional[int] = ..., last_ess_lag: _Optional[float] = ..., last_step: _Optional[_Union[StepReport, _Mapping]] = ..., batches: _Optional[_Union[BatchCounts, _Mapping]] = ..., samplers: _Optional[_Iterable[_Union[SamplerInfo, _Mapping]]] = ..., queues: _Optional[_Union[QueueDepths, _Mapping]] = ..., sync_in_progress: _Optional[_Union[SyncRecord, _Mapping]] = ..., pending_manual_triggers: _Optional[_Iterable[str]] = ..., num_syncs: _Optional[int] = ..., started_at: _Optional[float] = ..., sync_policy_detail: _Optional[str] = ..., batch_size: _Optional[int] = ..., group_size: _Optional[int] = ..., max_inflight_batches: _Optional[int] = ..., slots_reissued: _Optional[int] = ..., fleet: _Optional[_Union[FleetSize, _Mapping]] = ...) -> None: ...
 
 class ListSamplersRequest(_message.Message):
     __slots__ = ()

@@ -228,11 +228,13 @@ class AsyncCoordinator:
         return reply.published_version
 
     async def heartbeat(self, *, sampler_id: str, weight_version: int, num_inflight_tasks: int, num_rollouts: int,
-                        num_tokens: int, timeout_s: float | None = None, retry: bool = True) -> int:
-        """The published version, as the coordinator sees it."""
+                        num_tokens: int, busy_s: float = 0.0, timeout_s: float | None = None,
+                        retry: bool = True) -> int:
+        """The published version, as the coordinator sees it. `busy_s`: the wall seconds the sampler held at least
+        one training task since it started (its supply is measured as rollouts per busy second)."""
         reply = await self.client.call("Heartbeat", pb.HeartbeatRequest(
             sampler_id=sampler_id, weight_version=weight_version, num_inflight_tasks=num_inflight_tasks,
-            num_rollouts=num_rollouts, num_tokens=num_tokens,
+            num_rollouts=num_rollouts, num_tokens=num_tokens, busy_s=busy_s,
         ), timeout_s=timeout_s, retry=retry)
         return reply.published_version
 

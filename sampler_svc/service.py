@@ -41,6 +41,7 @@ from rlcommon.streams import ROLLOUTS, TASKS, TASKS_GROUP
 from rlcommon.task.rewards import check_reward_config
 from rlcommon.weight_store import WeightsError, resolve_announced_version
 from rlcommon.wire import Task, WireError
+from sampler_svc.busy import BusyClock
 from sampler_svc.engine import EngineError, SamplerEngine
 from sampler_svc.evaluation import EvalSlice
 from sampler_svc.outbox import Outbox
@@ -95,6 +96,8 @@ class SamplerService:
         self.background: list[asyncio.Task] = []
         self.num_rollouts = 0
         self.num_tokens = 0
+        self.busy = BusyClock()
+        """Seconds it held at least one training task (its heartbeat's `busy_s`: coordinator/fleet.py)."""
         self.started_at = time.monotonic()
         self.stopping = asyncio.Event()
         """Set by `stop`, or by a failure: everything stops at once (no drain)."""
@@ -234,12 +237,14 @@ class SamplerService:
                 task = asyncio.create_task(self.process(delivery))
                 self.inflight.add(task)
                 self.inflight_entries.add(delivery.entry_id)
+                self.busy.track(len(self.inflight))
                 task.add_done_callback(functools.partial(self._task_done, entry_id=delivery.entry_id))
             self.metrics.gauge("requests_in_flight", len(self.inflight))
 
     def _task_done(self, task: asyncio.Task, *, entry_id: bytes) -> None:
         self.inflight.discard(task)
         self.inflight_entries.discard(entry_id)
+        self.busy.track(len(self.inflight))
         if task.cancelled() or task.exception() is None:
             return
         if self.leaving.is_set() and isinstance(task.exception(), BusUnavailableError):
@@ -497,7 +502,7 @@ class SamplerService:
                 published = await self.coordinator.heartbeat(
                     sampler_id=self.sampler_id, weight_version=self.engine.weight_version,
                     num_inflight_tasks=len(self.inflight), num_rollouts=self.num_rollouts, num_tokens=self.num_tokens,
-                    timeout_s=10, retry=False,
+                    busy_s=self.busy.busy_s(), timeout_s=10, retry=False,
                 )
                 self.note_published(published)
             except grpc.aio.AioRpcError as err:

@@ -223,6 +223,17 @@ function drawSamplers(o) {
   fillTable("samplers", rows);
 }
 
+function drawFleet(o) {
+  // The desired sampler count and why (coordinator/fleet.py); no reason: the coordinator decided nothing yet.
+  const f = o.fleet;
+  const line = document.getElementById("fleet");
+  const decided = Boolean(f && f.reason);
+  line.textContent = decided ? `Fleet: desired ${f.desired} (${f.reason})` : "Fleet: no decision yet";
+  line.dataset.value = decided ? f.desired : "";
+  line.title = decided
+    ? `${f.serving} serving, ${f.starting} starting, ${f.draining} draining; min ${f.min}, max ${f.max}` : "";
+}
+
 function drawSyncs(o) {
   fillTable("syncs", o.syncs.map((s) => el("tr", {},
     el("td", {}, s.weight_version), el("td", {}, s.step), el("td", {}, s.reason), el("td", {}, s.state),
@@ -250,6 +261,7 @@ async function poll() {
     drawEvalCharts(o.evals);
     drawPlan(o);
     drawSamplers(o);
+    drawFleet(o);
     drawSyncs(o);
     drawDeadLetters(o);
     const connection = document.getElementById("connection");

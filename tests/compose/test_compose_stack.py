@@ -185,9 +185,15 @@ def test_a_killed_sampler_is_replaced_and_nothing_is_lost(stack):
     stack.wait(f"{survivor_id} claiming {victim_id}'s tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) == 0, timeout=300)
     victim.reload()
     assert victim.attrs["State"]["Status"] == "exited", victim.attrs["State"]
+    # Whichever comes first: the survivor's claim of idle entries (bus.claim_idle_ms, 10 s here) or the coordinator
+    # re-serving them when the victim's heartbeats stop (coordinator.sampler_heartbeat_timeout_s, 15 s).
     logs = survivor.logs().decode(errors="replace")
-    assert re.search(rf"{survivor_id} claimed \d+ entries of \S+tasks/samplers idle at {victim_id}", logs), logs[-3000:]
-    print(f"{pending} tasks pending at {victim_id} went to {survivor_id}")
+    coordinator_logs = stack.one("coordinator").logs().decode(errors="replace")
+    claimed = re.search(rf"{survivor_id} claimed \d+ entries of \S+tasks/samplers idle at {victim_id}", logs)
+    reserved = re.search(rf"re-served [1-9]\d* tasks pending at sampler {re.escape(victim_id)} \(lost\)", coordinator_logs)
+    assert claimed or reserved, logs[-3000:] + coordinator_logs[-3000:]
+    print(f"{pending} tasks pending at {victim_id} went to {survivor_id} "
+          f"({'claimed when idle' if claimed else 're-served by the coordinator when lost'})")
 
     # 2. The policy back on, it is started again; killed once more, Docker restarts it by itself.
     victim.update(restart_policy=policy)
@@ -197,6 +203,23 @@ def test_a_killed_sampler_is_replaced_and_nothing_is_lost(stack):
     stack.wait("compose restarting the killed replica, and it acking the current version", back_and_acked(1), timeout=600)
     victim.reload()
     print(f"{victim.name}: restarts {victim.attrs['RestartCount']}, status {victim.attrs['State']['Status']}")
+
+    # 3. A scale-down (what `docker compose stop` / `--scale sampler=1` send: SIGTERM to PID 1) while it holds tasks:
+    # it drains and leaves; nothing waits for an idle claim, and the run goes on with the survivor.
+    stack.wait(f"{victim_id} holding tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) > 0, timeout=120, every=0.2)
+    t0 = time.monotonic()
+    victim.stop(timeout=30)  # docker stop: SIGTERM to PID 1, SIGKILL after the grace period
+    stopped_s = time.monotonic() - t0
+    victim.reload()
+    assert victim.attrs["State"]["ExitCode"] == 0, victim.attrs["State"]
+    assert stack.pending_by_consumer().get(victim_id, 0) == 0  # handed back at once, not left for a claim
+    me = [s for s in stack.dlcctl("status")["samplers"] if s["sampler_id"] == victim_id]
+    assert me and me[0]["health"] == "SAMPLER_LEFT", me
+    left = re.search(r"left the fleet: (\d+) tasks finished while draining, (\d+) handed back",
+                     victim.logs().decode(errors="replace"))
+    assert left, victim.logs().decode(errors="replace")[-3000:]
+    print(f"scale-down: {victim.name} drained and left in {stopped_s:.1f} s ({left.group(1)} finished, "
+          f"{left.group(2)} handed back)")
     stack.wait(f"the trainer finishing {FIRST_STEPS} steps", stack.trainer_done, timeout=900)
     trained = stack.trained()
     assert [b["batch_id"] for b in trained] == list(range(FIRST_STEPS))

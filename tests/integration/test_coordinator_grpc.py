@@ -1083,6 +1083,46 @@ def test_dlcctl_against_the_live_server(start_server, monkeypatch, tmp_path):
     assert run_dlcctl("bogus")[0] == 2
 
 
+def test_get_status_and_dlcctl_show_the_desired_fleet(redis_url, monkeypatch):
+    """The samplers' heartbeats (`busy_s`) and the trainer's step timings, sent over gRPC, move the desired
+    sampler count the coordinator's tick decides (coordinator/fleet.py); GetStatus and `dlcctl status` show it."""
+    cfg = load_config(RunConfig, [], {
+        "bus": {"run_id": RUN_ID},
+        "coordinator": {"batch_size": B, "group_size": G, "max_inflight_batches": 2, "port": 0, "sync_policy": "never"},
+        "sampler": {"max_inflight_tasks": 1},  # 2 batches x B groups ahead at 1 each: at most 4 samplers help
+        "autoscale": {"min": 1, "max": 8, "cooldown_s": 0},
+    })
+    for name in ("DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN", "DLC_DASHBOARD_TOKEN", "DLC_COORDINATOR__DASHBOARD_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    harness = Harness(cfg, redis_url)
+    try:
+        stub = harness.stub
+        code, out, _ = run_dlcctl("--address", harness.address, "status")
+        assert code == 0 and any(x.startswith("fleet ") for x in out.splitlines())
+        register(stub, "s0")
+        first = wait_until(lambda: (f := stub.GetStatus(pb.GetStatusRequest()).fleet).starting == 1 and f)
+        assert (first.desired, first.serving, first.min, first.max) == (1, 0, 1, 4)
+        assert first.reason == "no trainer step measured yet"
+        # 4 rollouts per busy second; the trainer works 0.5 s per step and waits 1.5 s for 4 rollouts.
+        stub.Heartbeat(pb.HeartbeatRequest(sampler_id="s0", num_rollouts=4, busy_s=1.0))
+        stub.Heartbeat(pb.HeartbeatRequest(sampler_id="s0", num_rollouts=12, busy_s=3.0))
+        stub.ReportStep(pb.ReportStepRequest(step=0, batch_id=0, stats={"trainer_wall_s": 2.0, "trainer_wait_s": 1.5}))
+        fleet = wait_until(lambda: (f := stub.GetStatus(pb.GetStatusRequest()).fleet).desired == 3 and f)
+        assert (fleet.serving, fleet.starting, fleet.draining) == (1, 0, 0) and fleet.changed_at > 0
+        assert fleet.reason.startswith("trainer waits 75% of its time for rollouts over 1 steps")
+
+        code, out, _ = run_dlcctl("--address", harness.address, "status")
+        assert code == 0
+        line = next(x for x in out.splitlines() if x.startswith("fleet "))
+        assert line.split(None, 1)[1] == ("desired 3 samplers (1 serving, 0 starting, 0 draining; min 1, max 4): "
+                                          + fleet.reason)
+        code, out, _ = run_dlcctl("--address", harness.address, "status", "--json")
+        data = json.loads(out)["fleet"]
+        assert code == 0 and (data["desired"], data["serving"], data["max"], data["reason"]) == (3, 1, 4, fleet.reason)
+    finally:
+        harness.stop()
+
+
 # ----------------------------------------------------------------------------------------- process
 
 REPO = Path(__file__).resolve().parents[2]

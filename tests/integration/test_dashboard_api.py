@@ -134,6 +134,11 @@ def test_overview_has_the_plan_the_steps_with_nan_as_null_and_dead_letters(dashb
     status, overview = get_json(f"{base}/api/overview")
     assert status == 200 and overview["run_id"] == RUN_ID and overview["steps"] == {"from": 0, "rows": []}
     assert overview["counts"]["total"] == 2 and overview["counts"]["trained"] == 0
+    # The desired sampler count and why (coordinator/fleet.py), within autoscale.min / max (a sampler may take the
+    # whole planned window here: that does not lower the bound).
+    fleet = overview["fleet"]
+    assert set(fleet) == {"desired", "reason", "changed_at", "serving", "starting", "draining", "min", "max"}
+    assert (fleet["min"], fleet["max"]) == (1, 8)
     stats = {"reward_mean": 0.25, "ess_lag": 0.9, "ess_full": float("nan"), "tokens": 12.0,
              "reward/math_verify": 0.25, "reward/tests.reward_fns:parts/short": 1.0, "truncated_frac": 0.5}
     stub.ReportStep(pb.ReportStepRequest(step=0, batch_id=0, weight_version=0, stats=stats),

@@ -92,11 +92,15 @@ def test_never_more_than_can_hold_tasks():
     assert useful == 4
     assert follow(1, per_sampler=1.0, busy_s=2.0, useful=useful)[-1] == 4
     assert useful_samplers(max_inflight_batches=2, batch_size=8, tasks_per_sampler=None) is None
+    assert useful_samplers(max_inflight_batches=2, batch_size=8, tasks_per_sampler=16) is None  # the whole window
 
 
 def test_no_step_yet_holds_min():
     decision = decide(None, Supply(0, 0, None), CFG, None, now=0.0)
-    assert decision == FleetDecision(CFG.min, "no trainer step measured yet", 0.0)
+    assert decision == FleetDecision(CFG.min, "no trainer step measured yet", None)
+    # that first count is not a change: a starved trainer a moment later is answered at once, no cooldown
+    starved = demand_of([StepSample(wall_s=4.0, wait_s=3.0)] * 8, ROLLOUTS)
+    assert decide(starved, Supply(1, 0, 2.0), CFG, decision, now=1.0).desired > CFG.min
 
 
 def test_a_recorded_run_holds_its_one_sampler():

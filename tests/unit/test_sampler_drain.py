@@ -146,6 +146,7 @@ def test_a_leaving_sampler_takes_no_new_task_and_finishes_those_in_hand(tmp_path
     async def scenario() -> None:
         sampler = sampler_of(tmp_path, conn, client, drain_s=WAIT_S)
         served, signals = await holding_two(sampler)
+        assert sampler.busy.busy  # holding tasks: busy seconds count (its heartbeat's busy_s)
         signals.set()  # the first stop signal
         await sampler.coordinator.called.wait()
         assert sampler.coordinator.calls == [(False, "stop signal")]
@@ -155,6 +156,7 @@ def test_a_leaving_sampler_takes_no_new_task_and_finishes_those_in_hand(tmp_path
         await served
         assert [done for done, _ in sampler.coordinator.calls] == [False, True]
         assert not sampler.stopping.is_set() and sampler.failure is None
+        assert not sampler.busy.busy and sampler.busy.busy_s() > 0  # none in hand any more: the stretch ended
 
     asyncio.run(scenario())
     assert pending_at(client) == []  # both pushed and acked before the coordinator was told it is gone
