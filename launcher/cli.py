@@ -30,6 +30,11 @@ def parse_args(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
     parser.add_argument("--no-progress", action="store_true", help="per-step lines instead of a progress bar")
     parser.add_argument("--fresh", action="store_true",
                         help="a new run in a new folder beside run_dir: <run_dir>-YYYYmmdd-HHMMSS")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="start and stop samplers to the count the coordinator computes from the trainer's wait "
+                             "for rollouts (GetStatus' fleet.desired; bounds and pace: the autoscale.* settings, e.g. "
+                             "--autoscale.max=4): one more sampler-N when fewer run, SIGTERM to the newest (it drains "
+                             "and leaves) when more, one change at a time; num_samplers is the starting count")
     args, rest = parser.parse_known_args(argv)
     paths = args.config or [str(launcher.default_config())]
     cfg = load_config(RunConfig, paths, rest)

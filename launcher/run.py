@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.autoscaler import Autoscaler
 from launcher.cli import LOG_FORMAT, parse_args
 from launcher.lifecycle import RunDirInUseError
 from launcher.processes import ServiceDied, service_died
@@ -199,6 +200,7 @@ def run(
     before_stop: Callable[[LocalStack], None] | None = None,
     on_progress: Callable[[LocalStack, list[dict[str, Any]]], None] | None = None,
     started_monotonic: float | None = None,
+    autoscaler: Autoscaler | None = None,
 ) -> dict[str, Any]:
     """Run the stack until the trainer has trained `cfg.steps` batches; returns summary.json's content.
 
@@ -208,6 +210,8 @@ def run(
     RunFinishedError, before anything starts, when `cfg.run_dir` holds a run that trained `cfg.steps` already.
     `started_monotonic`: the launcher's start (time.monotonic(); default: now), which the timeline lines and
     `first_step_seconds` count from.
+    `autoscaler` (`--autoscale`: launcher/autoscaler.py): at every poll, samplers started or stopped to the
+    coordinator's desired count (`cfg.num_samplers` is the count it starts with); None: the stack keeps its samplers.
     """
     from launcher.plots import plot_run_in_background, warm_up
 
@@ -245,6 +249,8 @@ def run(
                 raise ServiceDied(f"every sampler left the fleet with {progress.steps} of {cfg.steps} steps trained "
                                   "(each exited 0 after a stop signal); the logs: "
                                   f"{stack.log_dir}/sampler-*.log")
+            if autoscaler is not None:
+                autoscaler.step(stack, progress.write)
             stack.wait_exited("trainer", POLL_S)  # a poll every POLL_S, and at once when the trainer is done
         stack.timeline("trainer done (exited)")
         progress.update()
@@ -302,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = run(cfg, progress_bar=not args.no_progress and sys.stderr.isatty(),
-                      started_monotonic=process_started_monotonic())
+                      started_monotonic=process_started_monotonic(),
+                      autoscaler=Autoscaler() if args.autoscale else None)
     except ModelNotFoundError as err:
         logger.error("%s", err)
         return 2

@@ -169,6 +169,17 @@ class LocalStack:
         """The samplers in the stack now (a sampler that left the fleet is dropped: `drop`)."""
         return [name for name, proc in self.processes.items() if proc.spec.module == SAMPLER_MODULE]
 
+    def start_sampler(self, name: str) -> ServiceProcess:
+        """Start one more sampler, `name` (`sampler-N`), with the spec of the stack's samplers (its own id):
+        `--autoscale` (launcher/autoscaler.py). A name that left the stack is started again under its old spec."""
+        if name not in self.specs:
+            template = next((spec for spec in self.specs.values() if spec.module == SAMPLER_MODULE), None)
+            if template is None:
+                raise ServiceDied(f"cannot start {name}: the stack has no sampler spec to copy (num_samplers = 0)")
+            self.specs[name] = ServiceSpec(name, template.module, template.config_path,
+                                           {**template.env, "DLC_SAMPLER__SAMPLER_ID": name})
+        return self.start_service(name)
+
     def drop(self, name: str) -> None:
         """Take an exited service out of the stack (a sampler that left the fleet): its log closed, what is left
         of its process group killed. `start_service(name)` starts it again."""

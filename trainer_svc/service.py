@@ -78,6 +78,24 @@ QUEUE_GAUGE_INTERVAL_S = 1.0
 seconds; asked on every pass of the loop it was a round trip or more per step)."""
 
 
+STEP_DELAY_FILE_ENV = "DLC_TEST_TRAINER_STEP_DELAY_FILE"
+"""FOR TESTS ONLY (tests/integration/test_launcher_autoscale.py): names a file whose content, seconds (a float), the
+trainer sleeps after each training step, read again at each step (a missing, empty or unreadable file: 0). Unset (always,
+outside tests): no delay, no read. It makes the trainer slower or faster while a run goes on, to move its demand."""
+
+
+def step_delay_for_tests_s() -> float:
+    """The delay `STEP_DELAY_FILE_ENV` asks for now (tests only); 0.0 when the variable is unset."""
+    path = os.environ.get(STEP_DELAY_FILE_ENV)
+    if not path:
+        return 0.0
+    try:
+        text = Path(path).read_text().strip()
+        return max(0.0, float(text)) if text else 0.0
+    except (OSError, ValueError):
+        return 0.0
+
+
 @dataclass
 class BatchBuffer:
     """Rollouts of one planned batch as they arrive: one per slot (group_id, sample_index)."""
@@ -409,6 +427,10 @@ class TrainerService:
             self.coordinator.mark_batch_complete(batch_id, num_rollouts=len(rollouts))
         with self.stages.stage("train"):
             result = self.ranks.do("train", rollouts=rollouts)
+        delay_s = step_delay_for_tests_s()
+        if delay_s > 0:  # tests only (never set otherwise): a slower trainer, its own work, so busy time, not wait
+            with self.stages.stage("test_delay"):
+                time.sleep(delay_s)
         if result.skipped:
             self.skipped_batches += 1
         step = self.train_step.step - 1
