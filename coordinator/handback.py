@@ -1,4 +1,5 @@
 """Tasks pending at a sampler, served again at once: the hand-back of a sampler that left the fleet or was lost.
+The coordinator keeps one for the training tasks and one for the eval tasks (the `evals` stream, its samplers' group).
 
 A task a sampler reads stays pending at it, in the samplers' consumer group of the tasks stream, until the sampler
 has pushed the task's rollouts and acked it. When the sampler leaves the fleet (LeaveFleet, done) or the coordinator
@@ -40,7 +41,7 @@ class TaskHandBack:
     part-way must be finished before anything else goes to the tasks stream)."""
 
     def __init__(self, producer: StreamProducer, *, before_write: Callable[[], None] = lambda: None,
-                 group: str = TASKS_GROUP, page: int = PAGE) -> None:
+                 group: str = TASKS_GROUP, page: int = PAGE, what: str = "tasks") -> None:
         assert page >= 1
         self._producer = producer
         self._conn = producer.conn
@@ -49,6 +50,8 @@ class TaskHandBack:
         self.stream = producer.stream
         self.group = group
         self.page = page
+        self.what = what
+        """What the stream's entries are, for the log ("tasks", "eval tasks")."""
         self.reissued = {LEFT: 0, LOST: 0}
         """Tasks re-served since this coordinator started, by why: the sampler LEFT or was LOST."""
         self.retry: set[str] = set()
@@ -76,7 +79,8 @@ class TaskHandBack:
                 break
             after = "(" + ids[-1].decode()
         self.reissued[why] += served
-        logger.info("re-served %d tasks pending at sampler %s (%s)", served, consumer, why)
+        if served or self.what == "tasks":
+            logger.info("re-served %d %s pending at sampler %s (%s)", served, self.what, consumer, why)
         if gone:
             logger.warning("%d entries pending at sampler %s were no longer in %s (acked, not re-served)", gone,
                            consumer, self.stream)
@@ -95,17 +99,33 @@ class TaskHandBack:
             try:
                 self.reissue(sampler_id, LOST)
             except Exception as err:  # Redis unreachable: the next tick tries again (the others too)
-                logger.warning("could not re-serve the tasks pending at lost sampler %s (trying again): %s",
-                               sampler_id, err)
+                logger.warning("could not re-serve the %s pending at lost sampler %s (trying again): %s",
+                               self.what, sampler_id, err)
                 break
             self.retry.discard(sampler_id)
             done.append(sampler_id)
         return done
 
+    def pending_consumers(self) -> dict[str, int]:
+        """Tasks pending at each consumer of the group (XPENDING's summary); {} before the group exists."""
+        try:
+            summary = self._conn.call(lambda client: client.xpending(self.stream, self.group))
+        except redis.ResponseError as err:
+            if "NOGROUP" in str(err):
+                return {}
+            raise
+        return {(c["name"].decode() if isinstance(c["name"], bytes) else c["name"]): int(c["pending"])
+                for c in summary.get("consumers") or []}
+
     def _pending_ids(self, consumer: str, after: str) -> list[bytes]:
-        rows = self._conn.call(lambda client: client.xpending_range(
-            self.stream, self.group, min=after, max="+", count=self.page, consumername=consumer,
-        ))
+        try:
+            rows = self._conn.call(lambda client: client.xpending_range(
+                self.stream, self.group, min=after, max="+", count=self.page, consumername=consumer,
+            ))
+        except redis.ResponseError as err:
+            if "NOGROUP" in str(err):  # no group yet (the evals stream of a run without evaluation): none pending
+                return []
+            raise
         return [row["message_id"] for row in rows]
 
     def _payloads(self, ids: list[bytes]) -> list[bytes | None]:

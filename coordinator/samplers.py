@@ -87,10 +87,13 @@ class SamplerRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self._subscriptions: dict[str, int] = {}
-        now = clock()  # samplers already lost when the registry is loaded are not reported again
-        self._reported_lost: set[str] = {
-            sid for sid, r in self._records.items() if self.health(r, now)[0] == LOST
-        }
+        now = clock()
+        # Samplers that look lost when the registry is loaded (a coordinator restarted): a live one could not
+        # heartbeat while no coordinator answered, so each is reported once only if it is still silent a heartbeat
+        # timeout after the load (its pending tasks are then served again: coordinator/handback.py).
+        self._loaded_lost: set[str] = {sid for sid, r in self._records.items() if self.health(r, now)[0] == LOST}
+        self._loaded_at = now
+        self._reported_lost: set[str] = set(self._loaded_lost)
 
     def __contains__(self, sampler_id: str) -> bool:
         return sampler_id in self._records
@@ -241,9 +244,19 @@ class SamplerRegistry:
         return out
 
     def report_lost(self) -> list[str]:
-        """Samplers that became LOST since the last call (logged once each)."""
+        """Samplers that became LOST since the last call (logged once each); those that looked lost when the registry
+        was loaded, once a heartbeat timeout later if still silent."""
         now = self.clock()
         newly = []
+        if self._loaded_lost and now - self._loaded_at > self.heartbeat_timeout_s:
+            for sampler_id in sorted(self._loaded_lost):
+                record = self._records.get(sampler_id)
+                if record is not None and record.last_heartbeat_at < self._loaded_at and \
+                        self.health(record, now)[0] == LOST:
+                    newly.append(sampler_id)
+                    logger.warning("sampler %s lost (before this coordinator started): %s", sampler_id,
+                                   self.health(record, now)[1])
+            self._loaded_lost = set()
         for sampler_id, record in self._records.items():
             if sampler_id not in self._reported_lost and self.health(record, now)[0] == LOST:
                 self._reported_lost.add(sampler_id)

@@ -60,7 +60,7 @@ from coordinator.views import ProgressAnswer, StatusView, StepAnswer, StepReport
 from rlcommon.bus import StreamProducer
 from rlcommon.config import RunConfig
 from rlcommon.step_stats import ESS_LAG
-from rlcommon.streams import DEADLETTER, ROLLOUTS, TASKS, stream_key
+from rlcommon.streams import DEADLETTER, EVALS, EVALS_GROUP, ROLLOUTS, TASKS, stream_key
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +185,11 @@ class Coordinator:
         self.versions = WeightVersions(run=self.run, store=self.store, samplers=self.samplers, syncs=self.syncs,
                                        ccfg=self.ccfg, clock=self.clock)
         self.handback = TaskHandBack(self._tasks_producer, before_write=self.planner.finish_last_write)
+        evals = StreamProducer.from_config(self._conn, self.cfg.bus, EVALS, backpressure=False, trim=False)
+        self.eval_handback = TaskHandBack(evals, group=EVALS_GROUP, what="eval tasks")
         resumed = len(self.ledger) > 0
         self.planner.recover()
+        self._hand_back_left_at_start()
         new = self.planner.plan_ahead()
         counts = self.counts()
         if resumed:
@@ -202,6 +205,16 @@ class Coordinator:
                 self.run_id, new, self.ccfg.batch_size, self.ccfg.group_size, self.ccfg.sync_policy,
             )
 
+    def _hand_back_left_at_start(self) -> None:
+        """Tasks still pending at samplers that had left the fleet when this coordinator started (a hand-back cut
+        short by the restart) are served again now. Samplers that look lost are handed back by the tick, a heartbeat
+        timeout later if still silent (coordinator/samplers.py `report_lost`)."""
+        for handback in (self.handback, self.eval_handback):
+            for consumer in sorted(handback.pending_consumers()):
+                record = self.samplers.get(consumer)
+                if record is not None and self.samplers.health(record)[0] == LEFT:
+                    handback.reissue(consumer, LEFT)
+
     def _whole_state(self) -> StateWrite:
         """Everything the coordinator persists, as one write (`CoordinatorStore.rewrite`)."""
         return whole_state(self._meta, self.run, self.ledger, self.samplers, self.syncs, self.triggers)
@@ -211,7 +224,9 @@ class Coordinator:
         deadlines, planning retries, the desired fleet size (coordinator/fleet.py), the run lock."""
         assert self._started
         self._check_state()
-        self.handback.reissue_lost(self.samplers.report_lost(), still_lost=self._still_lost)
+        lost = self.samplers.report_lost()
+        self.handback.reissue_lost(lost, still_lost=self._still_lost)
+        self.eval_handback.reissue_lost(lost, still_lost=self._still_lost)
         forgotten = self.samplers.forgettable(self.ccfg.forget_lost_sampler_s)
         if forgotten:
             self.store.commit(StateWrite(drop_samplers=forgotten))
@@ -325,8 +340,11 @@ class Coordinator:
 
     def reissue_pending(self, consumer: str, why: str = LEFT) -> int:
         """Serve again at once the tasks pending at `consumer` (a sampler id) in the samplers' group of the tasks
-        stream (coordinator/handback.py); returns how many. `why`: LEFT or LOST (counted apart)."""
-        return self.handback.reissue(consumer, why)
+        stream (coordinator/handback.py), and its eval tasks; returns how many training tasks. `why`: LEFT or LOST
+        (counted apart)."""
+        reissued = self.handback.reissue(consumer, why)
+        self.eval_handback.reissue(consumer, why)
+        return reissued
 
     def _still_lost(self, sampler_id: str) -> bool:
         record = self.samplers.get(sampler_id)

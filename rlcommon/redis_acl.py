@@ -4,7 +4,7 @@
 |---|---|---|
 | `sampler` | tasks, rollouts, deadletter, evals, eval_results (and their `:counts`) | XADD rollouts, eval results and dead letters; XACK/XCLAIM tasks and evals |
 | `trainer` | rollouts, deadletter, evals, eval_results (and their `:counts`), tokens, eval_rounds, eval_rows | XACK/XCLAIM/XTRIM rollouts and eval results, their groups; XADD/XTRIM evals and the samplers' group on it; XADD dead letters; XADD tokens (dashboard); HSET the eval rounds and rows |
-| `coordinator` | every key of the run, `dlc:<run_id>:*` | its state (`coord:*`); XADD/XTRIM tasks, the samplers' group; XACK tasks (the tasks pending at a sampler that left or was lost, re-added first: coordinator/handback.py) |
+| `coordinator` | every key of the run, `dlc:<run_id>:*` | its state (`coord:*`); XADD/XTRIM tasks, the samplers' group; XACK tasks, XADD/XACK eval tasks (those pending at a sampler that left or was lost, re-added first: coordinator/handback.py) |
 
 No user may run Lua, and samplers may neither trim a stream (they could drop rollouts the trainer has not
 read) nor create or change consumer groups (the coordinator creates theirs on tasks).
@@ -94,11 +94,12 @@ def acl_rules(user: str, run_id: str) -> list[str]:
                     f"+xtrim|{rollouts}", f"+xadd|{deadletter}", f"+xadd|{tokens}", f"+xadd|{evals}",
                     f"+xtrim|{evals}", f"+xack|{eval_results}", f"+xclaim|{eval_results}", f"+xtrim|{eval_results}"]
     elif user == "coordinator":  # its state (coordinator/state.py), produces tasks (and their group), reads depths,
-        # hands back the tasks pending at a sampler that left or was lost (XPENDING, XRANGE, XADD, then XACK)
+        # hands back the tasks and eval tasks pending at a sampler that left or was lost (XPENDING, XRANGE, XADD,
+        # then XACK)
         keys = [f"~{run_keys_pattern(run_id)}"]
         commands = [*_DEPTH, *_WATCH, *_CREATE_GROUP, "+ping", "+get", "+set", "+del", "+pexpire", "+pttl", "+hdel",
                     "+hincrby", "+lrange", "+rpush", "+ltrim", "+xrange", f"+xadd|{tasks}", f"+xtrim|{tasks}",
-                    f"+xack|{tasks}"]
+                    f"+xack|{tasks}", f"+xadd|{evals}", f"+xack|{evals}"]
     else:
         raise ValueError(f"unknown redis user {user!r}: one of {', '.join(SERVICE_USERS)}")
     return _unique([*keys, *_BASE, *commands])

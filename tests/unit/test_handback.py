@@ -22,6 +22,7 @@ from rlcommon.config import BusConfig, RunConfig, load_config
 from rlcommon.coordinator_api import AsyncCoordinator
 from rlcommon.models.tokenizer import CharTokenizer
 from rlcommon.rpc import AsyncCoordinatorClient
+from rlcommon.streams import EVALS, EVALS_GROUP
 
 RUN = "handback"
 BUS = BusConfig(run_id=RUN, claim_idle_ms=60_000, block_ms=20)
@@ -314,3 +315,77 @@ def test_leave_fleet_over_grpc(conn, caplog):
     assert "sampler s0 draining: stop signal" in caplog.text
     assert "sampler s0 left: stop signal; 2 tasks re-served" in caplog.text
     assert "re-served 2 tasks pending at sampler s0 (left)" in caplog.text
+
+
+def test_a_restarted_coordinator_hands_back_what_a_restart_cut_short(conn, caplog):
+    """Samplers gone while no coordinator ran: one that had left (its hand-back cut short) is handed back at start;
+    one that looks lost is handed back a heartbeat timeout later if still silent; one that heartbeats again keeps its
+    tasks."""
+    clock = Clock()
+    core = Coordinator(coordinator_config(), conn=conn, encode=CharTokenizer().encode, clock=clock)
+    core.start(lock_wait_s=2)
+    try:
+        for name in ("s0", "s1", "s2"):
+            core.register_sampler(name, weight_version=0)
+        sampler(conn, "s0").read(count=2)
+        sampler(conn, "s1").read(count=1)
+        sampler(conn, "s2").read(count=1)
+        core.samplers.mark_left("s2")  # left; the coordinator died before its LeaveFleet handed anything back
+    finally:
+        core.stop()
+    clock.now += TIMEOUT_S + 5  # nobody could heartbeat meanwhile
+    restarted = Coordinator(coordinator_config(), conn=conn, encode=CharTokenizer().encode, clock=clock)
+    with caplog.at_level(logging.INFO):
+        restarted.start(lock_wait_s=2)
+        try:
+            assert pending_ids(conn, "s2") == []  # at start
+            assert "re-served 1 tasks pending at sampler s2 (left)" in caplog.text
+            restarted.heartbeat("s1", weight_version=0)  # back
+            restarted.tick()
+            assert len(pending_ids(conn, "s0")) == 2  # may be alive: a heartbeat timeout to come back
+            clock.now += TIMEOUT_S + 0.5
+            restarted.heartbeat("s1", weight_version=0)
+            restarted.tick()
+            assert pending_ids(conn, "s0") == [] and len(pending_ids(conn, "s1")) == 1
+            assert "sampler s0 lost (before this coordinator started)" in caplog.text
+            assert "s1 lost" not in caplog.text
+            status = restarted.status()
+            assert (status.tasks_reissued_lost, status.tasks_reissued_left) == (2, 1)
+            restarted.tick()
+            assert caplog.text.count("re-served 2 tasks pending at sampler s0") == 1  # once
+        finally:
+            restarted.stop()
+
+
+def test_eval_tasks_pending_at_a_sampler_that_leaves_or_is_lost_are_served_again(conn, caplog):
+    """The evals stream (the trainer's eval rounds) has its own samplers' group: what a leaving or lost sampler held
+    there is re-added and acked like its training tasks, not left for bus.claim_idle_ms."""
+    clock = Clock()
+    core = Coordinator(coordinator_config(), conn=conn, encode=CharTokenizer().encode, clock=clock)
+    core.start(lock_wait_s=2)
+    evals = StreamProducer.from_config(conn, BUS, EVALS, backpressure=False, create_group=True)  # as the trainer
+    evals.send_many([make_task(i) for i in range(4)])
+
+    def eval_reader(name: str) -> StreamConsumer:
+        return StreamConsumer.from_config(conn, BUS, EVALS, group=EVALS_GROUP, consumer=name, expected=wire.Task,
+                                          create_group=False)
+
+    def eval_pending(name: str) -> int:
+        return len(conn.client.xpending_range(stream_key(RUN, EVALS), EVALS_GROUP, min="-", max="+", count=100,
+                                              consumername=name))
+
+    try:
+        core.register_sampler("s0", weight_version=0)
+        core.register_sampler("s1", weight_version=0)
+        eval_reader("s0").read(count=2)
+        eval_reader("s1").read(count=1)
+        with caplog.at_level(logging.INFO):
+            core.leave_fleet("s0", done=True, reason="scaled down")
+            assert eval_pending("s0") == 0 and "re-served 2 eval tasks pending at sampler s0 (left)" in caplog.text
+            clock.now += TIMEOUT_S + 1  # s1 silent: lost
+            core.tick()
+            assert eval_pending("s1") == 0 and "re-served 1 eval tasks pending at sampler s1 (lost)" in caplog.text
+        fresh = eval_reader("s2").read(count=10)
+        assert sorted(d.message.task_id for d in fresh) == ["b0-g0", "b0-g1", "b0-g2", "b0-g3"]  # 3 copies + 1 never read
+    finally:
+        core.stop()

@@ -349,5 +349,6 @@ def test_evaluation_runs_with_each_users_rights_and_no_more(connect, admin, tmp_
     refused(sampler, "XTRIM", evals_key, "MAXLEN", 0)
     refused(trainer, "XADD", results_key, "*", "d", "forged")
     refused(trainer, "XACK", evals_key, "samplers", "0-1")
-    refused(coordinator, "XADD", evals_key, "*", "d", "forged")
+    refused(coordinator, "XADD", results_key, "*", "d", "forged")  # it re-adds eval tasks (hand-back), no results
+    refused(coordinator, "XTRIM", evals_key, "MAXLEN", 0)
     assert admin.xlen(DEADLETTER) == 0
