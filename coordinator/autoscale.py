@@ -9,6 +9,8 @@ counted as capacity already there, so a scale-up is never asked twice for them),
 serving sampler produces.
 
 The decision, in order:
+- until the first change, the count held is the fleet as it is (the samplers registered: an orchestrator does not act
+  on it, `acting_count`); after, the last count;
 - within `cooldown_s` of the last change: hold it;
 - no trainer step measured yet: hold (at least `min`);
 - the trainer waits more than `up_wait_share`: one sampler more, or as many as the supply per sampler says the
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 from rlcommon.config.autoscale import AutoscaleConfig
 
-__all__ = ["Demand", "FleetDecision", "StepSample", "Supply", "decide", "demand_of", "upper_bound",
+__all__ = ["Demand", "FleetDecision", "StepSample", "Supply", "acting_count", "decide", "demand_of", "upper_bound",
            "useful_samplers"]
 
 
@@ -111,11 +113,12 @@ def decide(demand: Demand | None, supply: Supply, cfg: AutoscaleConfig, previous
     current = supply.serving + supply.starting
     if previous is not None and previous.changed_at is not None and now - previous.changed_at < cfg.cooldown_s:
         return previous
-    held = bounded(current if previous is None else previous.desired)
+    mirroring = previous is None or previous.changed_at is None
+    held = bounded(current if mirroring else previous.desired)
 
     def hold(reason: str) -> FleetDecision:
-        if previous is None:
-            return FleetDecision(held, reason, None)  # the count the fleet starts at: no cooldown from it
+        if mirroring:  # no change made yet: the count follows the fleet as it is (no cooldown from it)
+            return FleetDecision(held, reason, None)
         if previous.desired == held:
             return FleetDecision(held, reason, previous.changed_at)
         return FleetDecision(held, reason, now)
@@ -143,3 +146,15 @@ def decide(demand: Demand | None, supply: Supply, cfg: AutoscaleConfig, previous
         return change(current - 1, f"{shares} (< {cfg.down_wait_share:.0%}) and {needed} sampler(s) meet "
                                    f"{demand.rollouts_per_s:.1f} rollouts/s with {cfg.headroom:g} headroom: one fewer")
     return hold(f"{shares}: within [{cfg.down_wait_share:.0%}, {cfg.up_wait_share:.0%}] or the supply is needed")
+
+
+def acting_count(desired: int, changed_at: float, *, low: int, high: int, have: int) -> int:
+    """The count an orchestrator brings its fleet of `have` samplers to, from the coordinator's fleet view
+    (GetStatus `fleet`: desired, changed_at, min, max). Once the coordinator changed its count: that count. Before
+    (its first count is the samplers registered so far, fewer than were started while some are still starting),
+    the fleet as it is, within [`low`, `high`]. 0: no decision yet (leave the fleet)."""
+    if desired <= 0:
+        return 0
+    if changed_at > 0:
+        return desired
+    return max(low, min(high, have))

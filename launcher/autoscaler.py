@@ -1,7 +1,8 @@
 """`python -m launcher --autoscale`: the launcher sizes its sampler fleet to the count the coordinator computes
 (GetStatus' `fleet.desired`: coordinator/autoscale.py, `autoscale.*`), one change at a time.
 
-Fewer sampler processes than desired: one more is started (the next free name `sampler-N`, the others' spec).
+The count it follows is the coordinator's once the coordinator has changed it (`coordinator.autoscale.acting_count`:
+its first count only mirrors the samplers registered so far). Fewer sampler processes than desired: one more is started (the next free name `sampler-N`, the others' spec).
 More: the newest one gets SIGTERM on its main process only (never its process group: its vLLM engine child must live
 until the drain ends); it drains, leaves the fleet and exits 0, which the run loop takes as a scale-down
 (launcher/run.py `clean_exits`). Nothing more is changed until the change in flight is done: a started sampler has
@@ -104,6 +105,7 @@ class Autoscaler:
         self._next_at = now + self.interval_s
         import grpc
 
+        from coordinator.autoscale import acting_count
         from protos import coordinator_pb2 as pb
 
         try:
@@ -115,7 +117,8 @@ class Autoscaler:
         live = {s.sampler_id: s for s in reply.samplers if s.health in (pb.SAMPLER_HEALTHY, pb.SAMPLER_UNHEALTHY)}
         running = stack.sampler_names()
         self._record_progress(stack, running, live, fleet.desired)
-        action = next_action(desired=fleet.desired, running=running, in_flight=self.in_flight, registered=live)
+        wanted = acting_count(fleet.desired, fleet.changed_at, low=fleet.min, high=fleet.max, have=len(running))
+        action = next_action(desired=wanted, running=running, in_flight=self.in_flight, registered=live)
         if action.kind == "start":
             report(f"autoscale: starting {action.name} (desired {fleet.desired}: {fleet.reason})")
             stack.start_sampler(action.name)

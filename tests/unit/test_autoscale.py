@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.autoscale import FleetDecision, StepSample, Supply, decide, demand_of, useful_samplers
+from coordinator.autoscale import (
+    FleetDecision,
+    StepSample,
+    Supply,
+    acting_count,
+    decide,
+    demand_of,
+    useful_samplers,
+)
 from rlcommon.config import ConfigError, load_config
 from rlcommon.config.autoscale import AutoscaleConfig
 
@@ -93,6 +101,25 @@ def test_never_more_than_can_hold_tasks():
     assert follow(1, per_sampler=1.0, busy_s=2.0, useful=useful)[-1] == 4
     assert useful_samplers(max_inflight_batches=2, batch_size=8, tasks_per_sampler=None) is None
     assert useful_samplers(max_inflight_batches=2, batch_size=8, tasks_per_sampler=16) is None  # the whole window
+
+
+def test_until_the_first_change_the_count_follows_the_fleet_and_orchestrators_leave_it():
+    """Two replicas started, one registered: the first count (1) mirrors the registered samplers; when the second
+    registers it follows (2), still no change (no cooldown, changed_at None), also when the trainer starves at the
+    most that help. An orchestrator acts on none of these (acting_count: the fleet as it is)."""
+    first = decide(None, Supply(0, 1, None), CFG, None, now=0.0)
+    assert (first.desired, first.changed_at) == (1, None)
+    starved = demand_of([StepSample(wall_s=4.0, wait_s=3.0)] * 8, ROLLOUTS)
+    narrow = AutoscaleConfig(min=1, max=2, window_steps=8, cooldown_s=60.0)
+    both = decide(starved, Supply(2, 0, 2.0), narrow, first, now=5.0)
+    assert (both.desired, both.changed_at) == (2, None) and "already at the most that help (2)" in both.reason
+    assert acting_count(first.desired, 0.0, low=1, high=2, have=2) == 2  # not a scale-down to 1
+    assert acting_count(first.desired, 0.0, low=1, high=2, have=3) == 2  # the bounds still hold
+    assert acting_count(0, 0.0, low=1, high=2, have=3) == 0  # no decision yet
+    calm = demand_of([StepSample(wall_s=4.0, wait_s=0.0)] * 8, ROLLOUTS)
+    down = decide(calm, Supply(2, 0, 40.0), narrow, both, now=6.0)
+    assert (down.desired, down.changed_at) == (1, 6.0)  # the first change: from here on the count is the decision's
+    assert acting_count(down.desired, down.changed_at, low=1, high=2, have=2) == 1
 
 
 def test_no_step_yet_holds_min():

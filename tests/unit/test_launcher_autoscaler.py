@@ -86,9 +86,9 @@ class FakeStack:
         self.started.append(name)
         self.processes[name] = FakeProcess()
 
-    def status(self, desired: int, reason: str, live: dict[str, int]) -> None:
+    def status(self, desired: int, reason: str, live: dict[str, int], changed_at: float = 100.0) -> None:
         self.reply = pb.GetStatusResponse(
-            fleet=pb.FleetSize(desired=desired, reason=reason),
+            fleet=pb.FleetSize(desired=desired, reason=reason, changed_at=changed_at, min=1, max=8),
             samplers=[pb.SamplerInfo(sampler_id=sid, health=pb.SAMPLER_HEALTHY, num_rollouts=n)
                       for sid, n in live.items()])
 
@@ -103,7 +103,7 @@ def test_the_loop_step_starts_waits_and_stops_with_progress_lines():
         now[0] += seconds
         return action
 
-    stack.status(1, "no trainer step measured yet", {"sampler-0": 0})
+    stack.status(1, "no trainer step measured yet", {"sampler-0": 0}, changed_at=0.0)
     assert tick().kind == "hold"
     stack.status(2, "trainer waits 80%", {"sampler-0": 10})
     assert tick(1.0) == Action("start", "sampler-1")
@@ -136,6 +136,17 @@ def test_a_stopped_sampler_that_failed_and_was_restarted_ends_the_change():
     stack.processes["sampler-1"] = FakeProcess()  # exited 1 while draining; the restart policy started it again
     assert scaler.step(stack, print) == Action("stop", "sampler-1")  # still one too many: asked again
     assert [e.what for e in scaler.events] == ["stop", "restarted", "stop"]
+
+
+def test_the_coordinators_first_count_mirrors_the_registered_and_is_not_acted_on():
+    """Two samplers started, one registered so far: the coordinator's count (1, never changed) is not a scale-down;
+    the bounds are still kept (3 running with max 2: one stopped)."""
+    scaler, stack = Autoscaler(interval_s=0.0), FakeStack(["sampler-0", "sampler-1"])
+    stack.status(1, "no trainer step measured yet", {"sampler-0": 0}, changed_at=0.0)
+    assert scaler.step(stack, print).kind == "hold"
+    stack = FakeStack(["sampler-0", "sampler-1", "sampler-2"])
+    stack.reply = pb.GetStatusResponse(fleet=pb.FleetSize(desired=2, reason="mirror", min=1, max=2))
+    assert scaler.step(stack, print) == Action("stop", "sampler-2")
 
 
 def test_a_coordinator_that_does_not_answer_is_asked_again():
