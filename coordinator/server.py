@@ -508,7 +508,9 @@ class CoordinatorServer:
             "tasks_reissued_left": status.tasks_reissued_left,
             "tasks_reissued_lost": status.tasks_reissued_lost,
         }
-        if status.fleet is not None:  # what an orchestrator scales the samplers to (coordinator/fleet.py)
+        if status.fleet is not None and status.fleet.changed_at > 0:
+            # what an orchestrator scales the samplers to (coordinator/fleet.py); not before the coordinator first
+            # changed it: until then it only mirrors the samplers registered so far (coordinator.autoscale.acting_count)
             gauges["desired_samplers"] = status.fleet.desired
         if status.last_ess_lag is not None:
             gauges["last_ess_lag"] = status.last_ess_lag

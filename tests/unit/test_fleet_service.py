@@ -79,6 +79,9 @@ def test_reports_and_heartbeats_move_the_desired_count(core):
     view = fleet(core)
     assert (view.desired, view.serving, view.starting, view.draining) == (2, 0, 2, 0)
     assert view.reason == "no trainer step measured yet" and view.changed_at == 0.0  # the first count: not a change
+    gauges = Gauges()
+    CoordinatorServer(core.cfg, core, metrics=gauges)._export_metrics(core.status())
+    assert "desired_samplers" not in gauges.values  # a mirror of the registered samplers: nothing to scale to
     assert (view.min, view.max) == (1, 4)  # autoscale.max lowered to the samplers that can all hold tasks
 
     # Each serves 4 rollouts per busy second (the idle seconds between its heartbeats do not count).
