@@ -38,6 +38,8 @@ export DLC_PYTHON_IMAGE DLC_REDIS_IMAGE
 compose-test: $(STAMP)
 	docker/engine.sh
 	docker/build-context.sh
+	# earlier builds of the project's images, untagged since (a machine that runs this every day keeps its disk)
+	docker image prune -f --filter label=dlc-rl.image=1 >/dev/null
 	DLC_TORCH_INDEX=$$(ls docker/build-extra/wheels/torch-*.whl >/dev/null 2>&1 || echo https://download.pytorch.org/whl/cpu) \
 		$(BIN)/python -m pytest -s -v tests/compose $(PYTEST_ARGS)
 
