@@ -106,15 +106,14 @@ class Autoscaler:
         import grpc
 
         from coordinator.autoscale import acting_count
-        from protos import coordinator_pb2 as pb
+        from rlcommon.coordinator_api import Coordinator
 
         try:
-            reply = stack.client.call("GetStatus", pb.GetStatusRequest(), timeout_s=5, retry=False)
+            fleet = Coordinator(stack.client).fleet(timeout_s=5, retry=False)
         except grpc.RpcError as err:  # a coordinator restarting: asked again at the next interval
             logger.debug("autoscale: GetStatus failed: %s", err)
             return None
-        fleet = reply.fleet
-        live = {s.sampler_id: s for s in reply.samplers if s.health in (pb.SAMPLER_HEALTHY, pb.SAMPLER_UNHEALTHY)}
+        live = fleet.live()
         running = stack.sampler_names()
         self._record_progress(stack, running, live, fleet.desired)
         wanted = acting_count(fleet.desired, fleet.changed_at, low=fleet.min, high=fleet.max, have=len(running))

@@ -6,7 +6,7 @@ coordinator/ build or read protobuf messages (tests/unit/test_layers.py keeps it
 and credentials are rlcommon/rpc.py's clients; each call keeps their retry rule (`retry=False`: one try).
 
     Coordinator        blocking: report_step, mark_batch_complete, report_batch_progress, announce_published,
-                       status, syncs
+                       status, syncs, fleet
     AsyncCoordinator   asyncio (a sampler): register, weight_updates, ack_weight_version, heartbeat, leave_fleet
 
 The dataclasses hold what callers read; the RPC reference is protos/coordinator.proto.
@@ -30,6 +30,8 @@ __all__ = [
     "AsyncCoordinator",
     "BatchCounts",
     "Coordinator",
+    "Fleet",
+    "FleetSampler",
     "Registration",
     "SamplerVersion",
     "Status",
@@ -120,6 +122,32 @@ class Status:
     """Entries in the dead-letter stream (-1: unknown)."""
 
 
+@dataclass(frozen=True)
+class FleetSampler:
+    sampler_id: str
+    hostname: str
+    health: str
+    num_rollouts: int
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """GetStatus' fleet size (coordinator/fleet.py) and the samplers, as an orchestrator acts on them."""
+
+    desired: int
+    """0 before the coordinator's first decision."""
+    reason: str
+    changed_at: float
+    """When `desired` last changed; 0: never (the count mirrors the samplers registered so far)."""
+    min: int
+    max: int
+    samplers: tuple[FleetSampler, ...]
+
+    def live(self) -> dict[str, FleetSampler]:
+        """The healthy and unhealthy samplers (registered, not draining, left or lost), by id."""
+        return {s.sampler_id: s for s in self.samplers if s.health in (HEALTHY, UNHEALTHY)}
+
+
 def _counts(msg: Any) -> BatchCounts:
     return BatchCounts(planned=msg.planned, complete=msg.complete, trained=msg.trained, total=msg.total,
                        trained_through=msg.trained_through)
@@ -183,6 +211,14 @@ class Coordinator:
             sync_in_progress=reply.sync_in_progress.weight_version if reply.HasField("sync_in_progress") else None,
             deadletter=reply.queues.deadletter if reply.HasField("queues") else -1,
         )
+
+    def fleet(self, *, timeout_s: float | None = None, retry: bool = True) -> Fleet:
+        reply = self.client.call("GetStatus", pb.GetStatusRequest(), timeout_s=timeout_s, retry=retry)
+        f = reply.fleet
+        samplers = tuple(FleetSampler(s.sampler_id, s.hostname, _HEALTH.get(s.health, HEALTHY), s.num_rollouts)
+                         for s in reply.samplers)
+        return Fleet(desired=f.desired, reason=f.reason, changed_at=f.changed_at, min=f.min, max=f.max,
+                     samplers=samplers)
 
     def syncs(self, *, limit: int = 20, timeout_s: float | None = None) -> list[SyncView]:
         """The newest `limit` syncs, newest first."""

@@ -6,6 +6,7 @@ the same `--config` files and overrides, the same `DLC_*` environment), and asks
 
 - coordinator: the standard gRPC health service on its port answers SERVING (TLS and token as configured);
 - trainer, sampler: their Prometheus endpoint (`metrics_port`) answers `GET /metrics` with 200;
+- Swarm autoscaler: its loop went round within the last three `autoscale.poll_s` (coordinator/swarm_autoscaler.py);
 - weight server: `GET /healthz` on `weight_server.port` answers 200 (HTTPS when the coordinator's TLS is on; the
   certificate is not checked: it is this container's own server).
 
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
 from rlcommon.config import ConfigError, RunConfig
 from rlcommon.entrypoint import config_from_args
 
-SERVICES = ("coordinator", "trainer_svc", "sampler_svc", "trainer_svc.weight_server")
+SERVICES = ("coordinator", "trainer_svc", "sampler_svc", "trainer_svc.weight_server", "coordinator.swarm_autoscaler")
 
 
 def service_of(argv: list[str]) -> tuple[str, list[str]] | None:
@@ -34,8 +37,23 @@ def service_of(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
+ALIVE_FILE = Path(tempfile.gettempdir()) / "dlc-autoscaler.alive"
+"""The Swarm autoscaler touches it at every poll that reached both the coordinator and the Docker API."""
+
+
+def alive_problem(poll_s: float, *, now: float | None = None) -> str | None:
+    """None when the autoscaler's loop went round within 3 polls (and 5 s), else why not."""
+    try:
+        age = (time.time() if now is None else now) - ALIVE_FILE.stat().st_mtime
+    except OSError:
+        return "no poll has reached both the coordinator and the Docker API yet"
+    return None if age <= 3 * poll_s + 5 else f"the last poll that reached both was {age:.0f} s ago"
+
+
 def probe(module: str, cfg: RunConfig, *, timeout_s: float = 3.0) -> str | None:
     """None when the service answers as healthy, else why not."""
+    if module == "coordinator.swarm_autoscaler":
+        return alive_problem(cfg.autoscale.poll_s)
     if module == "coordinator":
         from rlcommon.rpc import CoordinatorClient
 

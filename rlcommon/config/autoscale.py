@@ -26,6 +26,14 @@ class AutoscaleConfig(StrictModel):
     """Supply sized to this multiple of the measured demand (rollouts/s)."""
     cooldown_s: float = Field(120.0, ge=0)
     """No change sooner than this after the last one (a new sampler takes a while to load and warm up)."""
+    swarm_service: str | None = None
+    """The Docker Swarm autoscaler (`python -m coordinator.swarm_autoscaler`): the sampler service it scales. None:
+    `<stack>_sampler`, the stack being the one the autoscaler's own service runs in (DLC_SWARM_SELF)."""
+    docker_host: str = "unix:///var/run/docker.sock"
+    """The Docker Engine API the Swarm autoscaler calls: a manager's socket, or `tcp://HOST:PORT` of a socket proxy
+    that lets through only the calls it makes (README "The sampler fleet")."""
+    poll_s: float = Field(5.0, gt=0)
+    """How often the Swarm autoscaler reads the desired count and the service."""
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscaleConfig:

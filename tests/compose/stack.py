@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import time
@@ -127,3 +128,11 @@ def wait_for(what: str, condition, *, timeout: float, every: float, logs):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs()}")
         time.sleep(every)
+
+
+def step_figures(rows: list[dict], t0: float, t1: float) -> tuple[float, float]:
+    """(the longest the trainer waited for rollouts in one step that ran between `t0` and `t1`, the median step time
+    of the 20 steps before `t0`), from metrics.jsonl rows (`time`: the step's end, `row_wall_s`, `stage_wait_s`)."""
+    during = [r.get("stage_wait_s", 0.0) for r in rows if r["time"] >= t0 and r["time"] - r["row_wall_s"] <= t1]
+    before = [r["row_wall_s"] for r in rows if r["time"] < t0][-20:]
+    return max(during, default=float("nan")), statistics.median(before) if before else float("nan")

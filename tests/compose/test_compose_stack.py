@@ -22,7 +22,7 @@ from collections import Counter
 
 import pytest
 
-from tests.compose.stack import REPO, RUN_ID, Stack
+from tests.compose.stack import REPO, RUN_ID, Stack, step_figures
 
 pytestmark = pytest.mark.compose
 
@@ -31,7 +31,9 @@ FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "tests/compose/docker-c
 FIRST_STEPS = 300
 """Long enough that a replica killed twice is back and taking tasks before the run ends (at 100 the run ended
 while it restarted the second time: it never held a task again)."""
-SECOND_STEPS = 320
+SECOND_STEPS = 700
+"""The second run (after `down` + `up`) is long enough for a rolling update of both replicas (docker/rolling-update.sh:
+each new replica's engine starts while the trainer trains on)."""
 B, G = 8, 4
 
 
@@ -207,9 +209,9 @@ def test_a_killed_sampler_is_replaced_and_nothing_is_lost(stack):
     # 3. A scale-down (what `docker compose stop` / `--scale sampler=1` send: SIGTERM to PID 1) while it holds tasks:
     # it drains and leaves; nothing waits for an idle claim, and the run goes on with the survivor.
     stack.wait(f"{victim_id} holding tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) > 0, timeout=120, every=0.2)
-    t0 = time.monotonic()
+    t0 = time.time()
     victim.stop(timeout=30)  # docker stop: SIGTERM to PID 1, SIGKILL after the grace period
-    stopped_s = time.monotonic() - t0
+    stopped_s = time.time() - t0
     victim.reload()
     assert victim.attrs["State"]["ExitCode"] == 0, victim.attrs["State"]
     assert stack.pending_by_consumer().get(victim_id, 0) == 0  # handed back at once, not left for a claim
@@ -218,8 +220,12 @@ def test_a_killed_sampler_is_replaced_and_nothing_is_lost(stack):
     left = re.search(r"left the fleet: (\d+) tasks finished while draining, (\d+) handed back",
                      victim.logs().decode(errors="replace"))
     assert left, victim.logs().decode(errors="replace")[-3000:]
+    stack.wait("a step trained after the drain", lambda: stack.trainer_done() or
+               stack.metrics_rows()[-1]["time"] > t0 + stopped_s, timeout=120)
+    wait, step = step_figures(stack.metrics_rows(), t0, t0 + stopped_s)
     print(f"scale-down: {victim.name} drained and left in {stopped_s:.1f} s ({left.group(1)} finished, "
-          f"{left.group(2)} handed back)")
+          f"{left.group(2)} handed back); the trainer's longest wait for rollouts in a step meanwhile {wait:.2f} s "
+          f"(median step before {step:.2f} s)")
     stack.wait(f"the trainer finishing {FIRST_STEPS} steps", stack.trainer_done, timeout=900)
     trained = stack.trained()
     assert [b["batch_id"] for b in trained] == list(range(FIRST_STEPS))
@@ -240,6 +246,7 @@ def test_down_and_up_resumes_from_the_volumes(stack):
     after = stack.dlcctl("status")
     assert after["published_version"] == before["published_version"], (before, after)
     assert after["num_syncs"] == before["num_syncs"]
+    roll_rolling_update(stack)
     stack.wait(f"the trainer finishing {SECOND_STEPS} steps", stack.trainer_done, timeout=900)
     rows = stack.metrics_rows()
     assert sorted(r["batch_id"] for r in rows) == list(range(SECOND_STEPS))  # none twice, none missing
@@ -249,3 +256,35 @@ def test_down_and_up_resumes_from_the_volumes(stack):
     logs = stack.compose("logs", "--no-color", "trainer").stdout
     assert re.search(rf"resumed from .*: step {FIRST_STEPS}, ", logs), "the trainer's log shows no resume"
     assert re.search(rf"step {SECOND_STEPS - 1} batch {SECOND_STEPS - 1}", logs)  # logs go to stdout/stderr
+
+
+def roll_rolling_update(stack) -> None:
+    """docker/rolling-update.sh mid-run: each replica replaced by a new one that serves before the old one drains and
+    leaves; nothing pending at the old ones, and the trainer never waits on them."""
+    def both_serving():
+        status = stack.dlcctl("status")
+        ours = [s for s in status["samplers"] if s["health"] == "SAMPLER_HEALTHY"]
+        return len(ours) == 2 and all(s["weight_version"] >= status["published_version"] - 1 for s in ours)
+
+    stack.wait("both replicas serving the current version", both_serving, timeout=600)
+    old = {_sampler_id(c) for c in stack.containers("sampler", all=False)}
+    files = [a for f in stack.files for a in ("-f", f)]
+    t0, at = time.time(), len(stack.metrics_rows())
+    proc = subprocess.run(["docker/rolling-update.sh", "-p", stack.project, *files], cwd=REPO, env=stack.env,
+                          capture_output=True, text=True, timeout=1800)
+    t1 = time.time()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("serves the current version; stopping") == 2, proc.stdout
+    rows = stack.metrics_rows()
+    assert len(rows) < SECOND_STEPS, "the run ended during the rolling update: it measured nothing"
+    new = {_sampler_id(c) for c in stack.containers("sampler", all=False)}
+    assert len(new) == 2 and not new & old, (old, new)
+    status = stack.dlcctl("status")
+    for sampler_id in old:
+        me = [s for s in status["samplers"] if s["sampler_id"] == sampler_id]
+        assert me and me[0]["health"] == "SAMPLER_LEFT", me  # drained and left, not lost
+        assert stack.pending_by_consumer().get(sampler_id, 0) == 0
+    wait, step = step_figures(rows, t0, t1)
+    print(f"rolling update (docker/rolling-update.sh): both replicas replaced in {t1 - t0:.0f} s over "
+          f"{len(rows) - at} steps; the trainer's longest wait for rollouts in a step {wait:.2f} s (median step before "
+          f"{step:.2f} s)")

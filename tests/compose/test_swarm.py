@@ -3,29 +3,39 @@ single-node swarm on this machine (`docker swarm init --advertise-addr 127.0.0.1
 test made it). The node carries both labels, head and GPU; its engine runs without iptables rules, which is why
 every service uses `endpoint_mode: dnsrr`.
 
-In one run: two sampler replicas train with the head; the samplers are scaled to 3 mid-run (the new replica
-pulls the model and the current version from the weight server, nothing else restarts); a sampler task is
-killed and the swarm starts a new one in its place while the others claim what it held; scaled down to 2.
-Every batch is trained exactly once, and a sampler's fetched versions are the trainer's, manifest for manifest.
-Secrets reach the services as files only: no container's environment holds one.
+In one run, with the autoscaler service (docker-stack.autoscale.yml, autoscale.min 1, max 2): two sampler replicas
+train with the head; they cannot keep up with the tiny model's trainer, which waits: the coordinator holds 2.
+1. A sampler task is killed (SIGKILL): the swarm starts a new one in its place while the others claim what it held.
+2. A rolling update (`docker service update --force`): one replica at a time drains and is replaced.
+3. The trainer slowed (its test-only pace file): it no longer waits, the coordinator asks for 1 and the autoscaler
+   scales the service down through the Docker API; the replica removed drains and leaves the fleet.
+4. The trainer at full speed again: it waits, the coordinator asks for 2, the autoscaler scales up; the new replica
+   pulls the model and the current version from the weight server, nothing else restarts.
+Every batch trained so far is trained exactly once (the run is longer than the test: it goes on past every event
+and the stack is removed), and a sampler's fetched versions are the trainer's, manifest for manifest. Secrets reach
+the services as files only: no container's environment holds one; the autoscaler holds the read-only token only.
+Printed: the trainer's longest wait for rollouts in a step during each event against its median step before, and
+the time from each change of the coordinator's count to the replica removed / the new one serving.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
+import time
 
 import docker
 import pytest
 
-from tests.compose.stack import REPO, RUN_ID, Stack, trained_batches, wait_for
+from tests.compose.stack import REPO, RUN_ID, Stack, step_figures, trained_batches, wait_for
 
 pytestmark = pytest.mark.compose
 
 NAME = "dlcswarm"
-FILES = ["docker-stack.yml", "docker-stack.cpu.yml", "tests/compose/docker-stack.test.yml"]
-STEPS = 240
+FILES = ["docker-stack.yml", "docker-stack.cpu.yml", "docker-stack.autoscale.yml", "tests/compose/docker-stack.test.yml"]
+STEPS = 10_000  # longer than the test
 B, G = 8, 4
 VERIFY = ("import glob, json; from rlcommon.weight_store import load_version; "
           "[print(json.dumps([load_version(p).weight_version, load_version(p).sha256])) "
@@ -78,25 +88,32 @@ class Swarm:
         pairs = words[3:] if words and words[0] != "0" else []
         return {pairs[i]: int(pairs[i + 1]) for i in range(0, len(pairs) - 1, 2)}
 
-    def sampler(self, sampler_id: str) -> dict | None:
+    def sampler(self, sampler_id: str, *, serving: bool = False) -> dict | None:
+        """The sampler's status once it is healthy at the published version or the one before (a sync may be in
+        flight: at full speed the trainer publishes every second or so here); `serving`: and it has produced rollouts."""
         status = self.dlcctl("status")
         me = [s for s in status["samplers"] if s["sampler_id"] == sampler_id]
-        return me[0] if me and me[0]["health"] == "SAMPLER_HEALTHY" and me[0]["weight_version"] == status["published_version"] else None
+        ok = me and me[0]["health"] == "SAMPLER_HEALTHY" and me[0]["weight_version"] >= status["published_version"] - 1
+        return me[0] if ok and (not serving or me[0].get("num_rollouts", 0) > 0) else None
 
-    def trainer_state(self) -> str:
-        """The trainer task's state: running until the run ends, then `complete` (on-failure: not restarted)."""
-        states = docker_cli("service", "ps", f"{NAME}_trainer", "--format", "{{.DesiredState}} {{.CurrentState}} {{.Error}}",
-                            quiet=True)
-        current = states.splitlines()[0]
-        assert "failed" not in current.lower() and "rejected" not in current.lower(), states
-        return current
+    def rows(self) -> list[dict]:
+        """The trainer's metrics.jsonl rows (complete lines)."""
+        text = self.exec("coordinator", "cat /shared/run/metrics.jsonl")
+        return [json.loads(line) for line in text.splitlines()[:-1] if line.strip()] if text else []
+
+    def spec_replicas(self) -> int:
+        return self.client.services.get(f"{NAME}_sampler").attrs["Spec"]["Mode"]["Replicated"]["Replicas"]
+
+    def pace(self, seconds: float) -> None:
+        """The trainer's test-only pace: it sleeps `seconds` after each step (its own work, not a wait)."""
+        self.exec("trainer", f"echo {seconds} > /shared/run/test-trainer-delay-s")
 
     def wait(self, what: str, condition, *, timeout: float, every: float = 1.0):
         return wait_for(what, condition, timeout=timeout, every=every, logs=self.logs)
 
     def logs(self) -> str:
         out = []
-        for service in ("redis", "coordinator", "trainer", "weights", "sampler"):
+        for service in ("redis", "coordinator", "trainer", "weights", "sampler", "autoscaler"):
             out.append(docker_cli("service", "logs", "--no-trunc", "--tail", "15", f"{NAME}_{service}", check=False))
         return "\n".join(out)[-8000:]
 
@@ -118,7 +135,8 @@ def swarm(tmp_path_factory):
     secrets = tmp_path_factory.mktemp("swarm") / "secrets"
     subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(secrets)], check=True, capture_output=True)
     env = {k: v for k, v in builder.env.items() if not k.startswith("DLC_")}
-    env.update(DLC_SECRETS=str(secrets), DLC_STEPS=str(STEPS), DLC_SAMPLERS="2")
+    env.update(DLC_SECRETS=str(secrets), DLC_STEPS=str(STEPS), DLC_SAMPLERS="2", DLC_SAMPLERS_MIN="1",
+               DLC_SAMPLERS_MAX="2", DLC_AUTOSCALE_POLL_S="2")
     swarm = Swarm(client, env)
     remove(swarm)
     swarm.secrets = {p.name: p.read_text() for p in secrets.iterdir()}
@@ -151,14 +169,14 @@ def _removed(network) -> bool:
     return True
 
 
-def test_the_stack_trains_across_scaling_and_a_killed_task(swarm):
+def test_the_stack_trains_across_a_kill_a_rolling_update_and_autoscaling(swarm):
     swarm.deploy()
 
     def healthy(service: str, count: int = 1) -> bool:
         found = swarm.containers(service)
         return len(found) == count and all(c.attrs["State"].get("Health", {}).get("Status") == "healthy" for c in found)
 
-    for service in ("redis", "coordinator", "weights"):  # no start order in a swarm: each waits for the others
+    for service in ("redis", "coordinator", "weights", "autoscaler"):  # no start order in a swarm: each waits
         swarm.wait(f"{service} healthy", lambda s=service: healthy(s), timeout=600)
     swarm.wait("two sampler replicas running", lambda: len(swarm.containers("sampler")) == 2, timeout=300)
     first = swarm.containers("sampler")
@@ -166,11 +184,12 @@ def test_the_stack_trains_across_scaling_and_a_killed_task(swarm):
     head_containers = {s: swarm.one(s).id for s in ("redis", "coordinator", "trainer", "weights")}
 
     # Secrets are files, never environment: no container's environment holds a secret's value.
-    for service in ("redis", "coordinator", "trainer", "weights", "sampler"):
+    for service in ("redis", "coordinator", "trainer", "weights", "sampler", "autoscaler"):
         for container in swarm.containers(service):
             env = "\n".join(container.attrs["Config"]["Env"])
             leaked = [name for name, value in swarm.secrets.items() if value in env]
             assert not leaked, f"{container.name}: {leaked} in its environment"
+    assert swarm.exec("autoscaler", "ls /run/secrets").split() == ["dlc_dashboard_token"]  # read-only token only
     for container in first:  # no shared volume: the model and the versions come over HTTP
         volumes = [m.get("Name") for m in container.attrs["Mounts"] if m["Type"] == "volume"]
         assert volumes == [f"{NAME}_gpu-locks"], volumes
@@ -182,17 +201,10 @@ def test_the_stack_trains_across_scaling_and_a_killed_task(swarm):
         return ids <= credited and swarm.dlcctl("status")["published_version"] >= 1
 
     swarm.wait("rollouts from both replicas and a published version", both_and_a_version, timeout=900)
+    fleet = swarm.wait("the coordinator's first count", lambda: swarm.dlcctl("status")["fleet"].get("desired"), timeout=300)
+    assert fleet == 2, swarm.dlcctl("status")["fleet"]  # starved at max: it holds
 
-    # Scaled up mid-run: the new replica pulls the model and the current version, and takes tasks.
-    docker_cli("service", "scale", f"{NAME}_sampler=3", "--detach")
-    swarm.wait("a third replica", lambda: len(swarm.containers("sampler")) == 3, timeout=300)
-    [joiner] = [c for c in swarm.containers("sampler") if sampler_id(c) not in ids]
-    swarm.wait("the new replica serving the current version", lambda: swarm.sampler(sampler_id(joiner)), timeout=600)
-    logs = joiner.logs().decode()
-    assert "starting model from http://weights:8091" in logs, logs[-3000:]
-    print(f"{joiner.name} joined at version {swarm.dlcctl('status')['published_version']}")
-
-    # A task killed: the swarm starts another container in its place; the others claim what it held.
+    # 1. A task killed: the swarm starts another container in its place; the others claim what it held.
     victim = first[0]
     victim_id = sampler_id(victim)
     swarm.wait(f"{victim_id} holding tasks", lambda: swarm.pending_by_consumer().get(victim_id, 0) > 0, timeout=300, every=0.2)
@@ -202,36 +214,97 @@ def test_the_stack_trains_across_scaling_and_a_killed_task(swarm):
 
     def replaced():
         now = swarm.containers("sampler")
-        return len(now) == 3 and [c for c in now if sampler_id(c) not in ids | {sampler_id(joiner)}]
+        return len(now) == 2 and [c for c in now if sampler_id(c) not in ids]
 
     [replacement] = swarm.wait("the swarm replacing the killed task", replaced, timeout=300)
     print(f"{victim_id}'s tasks claimed by the others; {replacement.name} ({sampler_id(replacement)}) in its place")
     swarm.wait("the replacement serving the current version", lambda: swarm.sampler(sampler_id(replacement)), timeout=600)
 
-    # Scaled down to 2 mid-run; then the run finishes.
-    docker_cli("service", "scale", f"{NAME}_sampler=2", "--detach")
-    swarm.wait("two replicas left", lambda: len(swarm.containers("sampler")) == 2, timeout=300)
-    swarm.wait(f"the trainer finishing {STEPS} steps", lambda: swarm.trainer_state().startswith("Shutdown Complete"),
-               timeout=1200, every=2)
-    assert {s: swarm.one(s).id for s in ("redis", "coordinator", "weights")} == {
-        s: head_containers[s] for s in ("redis", "coordinator", "weights")}, "a head service restarted"
-    assert len(swarm.containers("trainer", running=False)) == 1, "the trainer restarted"
+    # 2. A rolling update: one replica at a time drains (SIGTERM), leaves, and is replaced (stop-first).
+    before_update = {sampler_id(c) for c in swarm.containers("sampler")}
+    t0 = time.time()
+    docker_cli("service", "update", "--force", "--detach", f"{NAME}_sampler")
 
+    def updated():
+        now = swarm.containers("sampler")
+        fresh = [sampler_id(c) for c in now if sampler_id(c) not in before_update]
+        return len(now) == 2 and len(fresh) == 2 and all(swarm.sampler(f, serving=True) for f in fresh) and fresh
+
+    swarm.wait("both replicas replaced and serving", updated, timeout=900, every=2)
+    t1 = time.time()
+    status = swarm.dlcctl("status")
+    for old in before_update:
+        me = [s for s in status["samplers"] if s["sampler_id"] == old]
+        assert me and me[0]["health"] == "SAMPLER_LEFT", me  # drained and left, not lost
+        assert swarm.pending_by_consumer().get(old, 0) == 0
+    wait, step = step_figures(swarm.rows(), t0, t1)
+    print(f"rolling update: longest wait for rollouts in a step {wait:.2f} s (median step before {step:.2f} s), "
+          f"both replaced and serving in {t1 - t0:.0f} s")
+
+    # 3. The trainer slowed: it stops waiting, one sampler meets the demand: the autoscaler scales down.
+    swarm.pace(2.0)  # > B x G x headroom / one sampler's rollouts per second (~30 here)
+    before_down = {sampler_id(c) for c in swarm.containers("sampler")}
+    t_slow = time.time()
+    swarm.wait("the autoscaler scaling the service to 1", lambda: swarm.spec_replicas() == 1, timeout=600, every=0.5)
+    asked_down = swarm.dlcctl("status")["fleet"]
+    assert asked_down["desired"] == 1, asked_down
+    t_down = time.time()
+    swarm.wait("one replica left", lambda: len(swarm.containers("sampler")) == 1, timeout=300, every=0.5)
+    t_gone = time.time()
+    [gone] = before_down - {sampler_id(c) for c in swarm.containers("sampler")}
+    me = [s for s in swarm.dlcctl("status")["samplers"] if s["sampler_id"] == gone]
+    assert me and me[0]["health"] == "SAMPLER_LEFT", me
+    assert swarm.pending_by_consumer().get(gone, 0) == 0
+    wait, step = step_figures(swarm.rows(), t_down, t_gone)
+    print(f"scale-down: the autoscaler acted {t_down - asked_down['changed_at']:.1f} s after the coordinator asked for 1 "
+          f"({asked_down['reason']}), the replica drained and left {t_gone - t_down:.1f} s later; longest wait for "
+          f"rollouts in a step {wait:.2f} s (median step before {step:.2f} s)")
+    assert t_down - t_slow < 600
+
+    # 4. Full speed again: the trainer waits, the coordinator asks for 2, the autoscaler scales up.
+    remaining = {sampler_id(c) for c in swarm.containers("sampler")}
+    swarm.pace(0)
+    swarm.wait("the autoscaler scaling the service to 2", lambda: swarm.spec_replicas() == 2, timeout=600, every=0.5)
+    asked_up = swarm.dlcctl("status")["fleet"]
+    assert asked_up["desired"] == 2, asked_up
+    t_up = time.time()
+
+    def joined():
+        new = [c for c in swarm.containers("sampler") if sampler_id(c) not in remaining]
+        return new and swarm.sampler(sampler_id(new[0]), serving=True) and new[0]
+
+    joiner = swarm.wait("the new replica serving the current version", joined, timeout=600)
+    t_serving = time.time()
+    logs = joiner.logs().decode()
+    assert "starting model from http://weights:8091" in logs, logs[-3000:]
+    print(f"scale-up: the autoscaler acted {t_up - asked_up['changed_at']:.1f} s after the coordinator asked for 2 "
+          f"({asked_up['reason']}), the new replica served the current version "
+          f"{t_serving - asked_up['changed_at']:.0f} s after the ask")
+    autoscaler_logs = swarm.one("autoscaler").logs().decode()
+    for change in ("2 -> 1", "1 -> 2"):
+        assert re.search(rf"scaling {NAME}_sampler: {change} replica\(s\) \(coordinator: trainer waits", autoscaler_logs), \
+            autoscaler_logs[-3000:]
+
+    # The run goes on past every event; nothing else restarted.
+    at = len(swarm.trained())
+    swarm.wait("10 more trained steps", lambda: len(swarm.trained()) >= at + 10, timeout=600, every=2)
+    assert {s: swarm.one(s).id for s in head_containers} == head_containers, "a head service restarted"
+    assert len(swarm.containers("trainer", running=False)) == 1, "the trainer restarted"
+    rows = swarm.rows()
     trained = swarm.trained()
-    assert [b["batch_id"] for b in trained] == list(range(STEPS))
+    assert sorted(r["batch_id"] for r in rows) == list(range(len(rows)))  # each batch trained once, in order
+    assert [b["batch_id"] for b in trained][: len(rows)] == list(range(len(rows)))
     assert all(sum(b["rollouts_by_sampler"].values()) == B * G for b in trained)
-    rows = [json.loads(line) for line in swarm.exec("coordinator", "cat /shared/run/metrics.jsonl").splitlines() if line.strip()]
-    assert sorted(r["batch_id"] for r in rows) == list(range(STEPS))  # each batch trained once
     assert swarm.dlcctl("status")["queues"].get("deadletter", 0) == 0
 
     # A sampler left serves the trainer's files: its fetched versions checked against their manifests, and each
     # manifest byte for byte the one the trainer published.
-    left = swarm.containers("sampler")[-1]
-    code, out = left.exec_run(["python", "-c", VERIFY])
+    code, out = joiner.exec_run(["python", "-c", VERIFY])
     assert code == 0, out.decode()
     fetched = [json.loads(line) for line in out.decode().splitlines() if line.startswith("[")]
     assert fetched, out.decode()
     for version, sha in fetched:
         published = swarm.exec("coordinator", f"sha256sum /shared/run/weights/v{version:06d}/manifest.json")
         assert published.split()[0] == sha, (version, published)
-    print(f"{left.name} serves version {fetched[-1][0]}, the trainer's (sha256 {fetched[-1][1][:12]})")
+    print(f"{joiner.name} serves version {fetched[-1][0]}, the trainer's (sha256 {fetched[-1][1][:12]}); "
+          f"{len(rows)} steps trained, each batch once")
