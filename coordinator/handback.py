@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import redis
 
@@ -108,25 +109,25 @@ class TaskHandBack:
 
     def pending_consumers(self) -> dict[str, int]:
         """Tasks pending at each consumer of the group (XPENDING's summary); {} before the group exists."""
-        try:
-            summary = self._conn.call(lambda client: client.xpending(self.stream, self.group))
-        except redis.ResponseError as err:
-            if "NOGROUP" in str(err):
-                return {}
-            raise
+        summary = self._group_call(lambda client: client.xpending(self.stream, self.group), {})
         return {(c["name"].decode() if isinstance(c["name"], bytes) else c["name"]): int(c["pending"])
                 for c in summary.get("consumers") or []}
 
     def _pending_ids(self, consumer: str, after: str) -> list[bytes]:
-        try:
-            rows = self._conn.call(lambda client: client.xpending_range(
-                self.stream, self.group, min=after, max="+", count=self.page, consumername=consumer,
-            ))
-        except redis.ResponseError as err:
-            if "NOGROUP" in str(err):  # no group yet (the evals stream of a run without evaluation): none pending
-                return []
-            raise
+        rows = self._group_call(lambda client: client.xpending_range(
+            self.stream, self.group, min=after, max="+", count=self.page, consumername=consumer,
+        ), [])
         return [row["message_id"] for row in rows]
+
+    def _group_call(self, fn: Callable[[redis.Redis], Any], empty: Any) -> Any:
+        """`fn` on the connection; `empty` when the group does not exist yet (the evals stream of a run without
+        evaluation): nothing is pending in it."""
+        try:
+            return self._conn.call(fn)
+        except redis.ResponseError as err:
+            if "NOGROUP" in str(err):
+                return empty
+            raise
 
     def _payloads(self, ids: list[bytes]) -> list[bytes | None]:
         """The message of each entry (None: no longer in the stream)."""
