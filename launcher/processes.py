@@ -191,12 +191,29 @@ def service_specs(
              "DLC_TRACKING__RUN_NAME": run_name(cfg)},
         )
     )
+    parallel = cfg.trainer.parallel
+    if parallel.nodes > 1:  # one trainer node per process here, the head the `trainer` above (trainer_svc/nodes.py)
+        nodes = {"DLC_TRAINER__PARALLEL__NODES": str(parallel.nodes),
+                 "DLC_TRAINER__PARALLEL__RENDEZVOUS": parallel.rendezvous}
+        specs[-1].env.update(nodes)
+        for index in range(1, parallel.nodes):
+            # Only what a rank that follows the head needs: the model, the run folder (checkpoints), the rendezvous;
+            # no Redis URL, no token.
+            specs.append(ServiceSpec(f"{TRAINER_NODE}{index}", "trainer_svc", config_path, {
+                "DLC_RUN_DIR": common["DLC_RUN_DIR"], "DLC_BUS__RUN_ID": cfg.bus.run_id,
+                "DLC_MODEL__NAME_OR_PATH": model_dir, "DLC_MODEL__CACHE_DIR": common["DLC_MODEL__CACHE_DIR"],
+                "DLC_COORDINATOR__AUTH_TOKEN": "none", "DLC_TRAINER__DEVICE": cfg.trainer.device,
+                "DLC_TRAINER__PARALLEL__DP_SHARD": str(parallel.dp_shard), "DLC_TRAINER__PARALLEL__HEAD": "false",
+                "DLC_TRACKING__BACKENDS": "none", **nodes, **placement_env(cfg)}))
     redis_user = {"coordinator": "coordinator", "sampler_svc": "sampler", "trainer_svc": "trainer"}
     for spec in specs:
-        if spec.module in redis_user:
+        if spec.module in redis_user and not spec.name.startswith(TRAINER_NODE):
             spec.env["DLC_REDIS__URL"] = (redis_urls or {}).get(redis_user[spec.module], redis_url)
     return specs
 
+
+TRAINER_NODE = "trainer-node-"
+"""The name prefix of the trainer's other nodes (`trainer.parallel.nodes` > 1), each a process here."""
 
 STOP_TIMEOUT_S = 20.0
 """How long a stopping service may take after SIGTERM before it is killed (a stop normally takes a few seconds,

@@ -16,7 +16,7 @@ from typing import Any
 from launcher.autoscaler import Autoscaler
 from launcher.cli import LOG_FORMAT, parse_args
 from launcher.lifecycle import RunDirInUseError
-from launcher.processes import ServiceDied, service_died
+from launcher.processes import TRAINER_NODE, ServiceDied, service_died
 from launcher.run_folder import RunFinishedError, check_not_finished
 from launcher.stack import LocalStack
 from rlcommon.config import ConfigError, RunConfig
@@ -72,6 +72,8 @@ class CleanExits:
     """Samplers still in the stack once those are dropped."""
     others: tuple[str, ...]
     """Any other service: the trainer (done once it trained every step), else the end of the run."""
+    trainer_nodes: tuple[str, ...] = ()
+    """The trainer's other nodes (`trainer.parallel.nodes` > 1): they end when the head's ranks end."""
 
     def reports(self) -> list[str]:
         """One progress line per sampler that left."""
@@ -83,8 +85,9 @@ class CleanExits:
 def clean_exits(stopped: list[str], *, samplers: list[str]) -> CleanExits:
     """Sort the services `stopped` with code 0 (`LocalStack.restart_exited`) among the `samplers` in the stack."""
     left = tuple(name for name in stopped if name in samplers)
-    return CleanExits(left=left, remaining=len(samplers) - len(left),
-                      others=tuple(name for name in stopped if name not in samplers))
+    nodes = tuple(name for name in stopped if name.startswith(TRAINER_NODE))
+    return CleanExits(left=left, remaining=len(samplers) - len(left), trainer_nodes=nodes,
+                      others=tuple(name for name in stopped if name not in samplers and name not in nodes))
 
 
 def coordinator_snapshot(coordinator: Coordinator) -> dict[str, Any]:
@@ -238,6 +241,8 @@ def run(
             for name, line in zip(exits.left, exits.reports(), strict=True):
                 stack.drop(name)
                 progress.write(line)
+            for name in exits.trainer_nodes:  # the group ended (the head's rank 0 said stop): it ends with it
+                stack.drop(name)
             if exits.others == ("trainer",):
                 rows = progress.update()  # its last rows may have landed after the read above
                 if progress.steps >= cfg.steps:

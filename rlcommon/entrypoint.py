@@ -46,6 +46,7 @@ from rlcommon.rpc import stop_waiting_on_coordinator
 __all__ = [
     "exit_process",
     "EXIT_BAD_CONFIG",
+    "die_with_parent",
     "EXIT_FAILED",
     "EXIT_OK",
     "ORPHAN_GRACE_S",
@@ -124,6 +125,24 @@ def stop_event(event: asyncio.Event | None = None) -> asyncio.Event:
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal)
     return event
+
+
+def die_with_parent() -> bool:
+    """This process is killed (SIGKILL) when its parent dies: a rank started by torchrun dies with its agent, as
+    every process of a container does when it is killed (Linux `PR_SET_PDEATHSIG`; False where unsupported). A
+    rank whose agent is gone would otherwise go on, orphaned, beside the group its restarted agent starts."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def watch_parent(grace_s: float = ORPHAN_GRACE_S, *, poll_s: float = 0.2) -> threading.Thread | None:

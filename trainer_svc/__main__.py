@@ -2,7 +2,8 @@
 
 With `trainer.parallel.dp_shard = N > 1` it starts itself again under torchrun (`--standalone
 --nproc-per-node N`, unless torchrun already started it): rank 0 runs the service, ranks 1..N-1 follow it
-(trainer_svc/ranks.py). A stop signal reaches every rank; rank 0 finishes the current step, checkpoints and
+(trainer_svc/ranks.py). With `trainer.parallel.nodes` > 1 it is this node's torchrun agent (c10d rendezvous at
+`trainer.parallel.rendezvous`, trainer_svc/nodes.py); rank 0 is on the head node. A stop signal reaches every rank; rank 0 finishes the current step, checkpoints and
 tells the others to stop. Exit codes (rlcommon/entrypoint.py): 0 when every step is trained or after a stop
 signal, 2 for a bad configuration, 1 for a failure.
 """
@@ -19,7 +20,7 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from rlcommon.config import ConfigError, RunConfig
-from rlcommon.entrypoint import EXIT_OK, exit_process, on_stop_signals, run_service
+from rlcommon.entrypoint import EXIT_OK, die_with_parent, exit_process, on_stop_signals, run_service
 from rlcommon.logs import setup_logging, timeline
 
 logger = logging.getLogger("trainer")
@@ -27,6 +28,10 @@ logger = logging.getLogger("trainer")
 
 def run(cfg: RunConfig, argv: list[str]) -> int:
     shards = cfg.trainer.parallel.dp_shard
+    if cfg.trainer.parallel.nodes > 1 and "RANK" not in os.environ:  # this node's torchrun agent, in this process
+        from trainer_svc.nodes import launch
+
+        return launch(cfg.trainer.parallel, run_id=cfg.bus.run_id, module_argv=argv)
     if shards > 1 and "RANK" not in os.environ:  # not under torchrun yet: become torchrun
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={shards}",
                    "-m", "trainer_svc", *argv]
@@ -35,9 +40,8 @@ def run(cfg: RunConfig, argv: list[str]) -> int:
     if world != shards:
         raise ConfigError(f"started as {world} ranks (WORLD_SIZE) but trainer.parallel.dp_shard is {shards}; "
                           f"use torchrun --nproc-per-node {shards}, or let python -m trainer_svc start it")
-    rank = int(os.environ.get("RANK", "0"))
-    if rank > 0:
-        setup_logging(f"trainer-rank{rank}", cfg.run_dir)
+    if "RANK" in os.environ:
+        die_with_parent()  # torchrun's agent: a rank does not outlive it
     from rlcommon.gpu_placement import place
 
     # CUDA_VISIBLE_DEVICES = placement.trainer_gpus when placement is on; on a GPU shared with a sampler the memory
@@ -48,7 +52,10 @@ def run(cfg: RunConfig, argv: list[str]) -> int:
         logger.info(placed.describe("trainer"))
     from trainer_svc.parallel import DataParallel, cap_cuda_memory  # torch import after the config is valid
 
-    parallel = DataParallel.init(cfg.trainer.device) if shards > 1 else None
+    parallel = DataParallel.init(cfg.trainer.device, cfg.trainer.parallel,
+                                 timeout_s=cfg.trainer.parallel.timeout_s) if shards > 1 else None
+    if parallel is not None and parallel.rank > 0:  # its rank is known now (the head's ranks come first)
+        setup_logging(f"trainer-rank{parallel.rank}", cfg.run_dir)
     cap_cuda_memory(cfg.trainer.device, placed.memory.trainer)  # every rank, once its device is set
     if parallel is not None and parallel.rank > 0:
         return follow(cfg, parallel)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from rlcommon.config.trainer import ParallelConfig
 
 __all__ = ["DataParallel", "full_value", "is_sharded", "reshard"]
 
@@ -75,14 +80,22 @@ class DataParallel:
     world: int
 
     @classmethod
-    def init(cls, device: str | torch.device) -> DataParallel:
-        """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
+    def init(cls, device: str | torch.device, nodes: ParallelConfig | None = None, *,
+             timeout_s: float = 600.0) -> DataParallel:
+        """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment); on
+        several trainer nodes (`nodes.nodes` > 1) the head's ranks first (trainer_svc/nodes.py). A collective
+        waits at most `timeout_s` for a silent rank."""
         device = torch.device(device)
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend)
+            if nodes is not None and nodes.nodes > 1:
+                from trainer_svc.nodes import join
+
+                join(nodes, backend, timeout_s)
+            else:
+                dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         world = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
         return cls(mesh=mesh, rank=dist.get_rank(), world=world)

@@ -51,6 +51,7 @@ OPERATIONS: dict[str, Callable[..., Any]] = {
     "whole_weights": _whole_weights,
     "keep": lambda ts, *, weight_version: ts.mark_published(weight_version),
     "release": lambda ts, *, min_version: ts.snapshots.release_below(min_version),
+    "ping": lambda ts: None,  # rank 0 idle: the others' wait stays below the collective timeout (service.py)
 }
 """The operations that need only the TrainStep; `checkpoint` and `stop` are the Ranks' own (its writer)."""
 

@@ -76,6 +76,9 @@ FINAL_REASON = "eval.at_end: the final weights"
 QUEUE_GAUGE_INTERVAL_S = 1.0
 """The most often the wait loop asks Redis for the rollout queue's depth (a Prometheus gauge: scraped every few
 seconds; asked on every pass of the loop it was a round trip or more per step)."""
+PING_INTERVAL_S = 10.0
+"""Rank 0 pings the other ranks at least this often while it waits for rollouts (at most a quarter of
+`trainer.parallel.timeout_s`)."""
 
 
 STEP_DELAY_FILE_ENV = "DLC_TEST_TRAINER_STEP_DELAY_FILE"
@@ -173,6 +176,9 @@ class TrainerService:
         self.stages = StageClock()
         """Wall time per stage of the loop, reported in every metrics row (trainer_svc/stages.py)."""
         self.queue_gauge = Every(QUEUE_GAUGE_INTERVAL_S)
+        self.ping = Every(min(PING_INTERVAL_S, cfg.trainer.parallel.timeout_s / 4))
+        """While rank 0 waits for rollouts the other ranks wait in a broadcast: a ping bounds their wait below the
+        collective timeout and shows rank 0 a lost rank while idle (its broadcast fails)."""
         """When the wait loop next sets the `rollout_queue_depth` gauge (an XPENDING round trip)."""
         self.stopping = threading.Event()
         """Set by `request_stop` (a stop signal) or `stop`: `run` returns after the current step."""
@@ -312,6 +318,8 @@ class TrainerService:
         (every `progress_interval_s`), one read of the rollouts stream (blocking up to bus.block_ms)."""
         if self.queue_gauge.due():
             self.metrics.gauge("rollout_queue_depth", self.consumer.pending_count())
+        if self.parallel is not None and self.ping.due():
+            self.ranks.do("ping")
         self.report_progress()
         self.accept(self.consumer.read(count=4 * self.samples_per_batch))
 

@@ -92,11 +92,14 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_gpu_per_trainer_rank(self) -> RunConfig:
-        shards, gpus = self.trainer.parallel.dp_shard, self.placement.trainer_gpus
+        shards, gpus = self.trainer.parallel.ranks_per_node, self.placement.trainer_gpus
         if self.placement.lock_dir is not None and self.trainer.device.startswith("cuda") and shards != len(gpus):
+            nodes = self.trainer.parallel.nodes
             raise ValueError(
-                f"trainer.parallel.dp_shard = {shards} ranks need as many GPUs, but placement.trainer_gpus is {gpus} "
-                f"(compose: DLC_TRAINER_GPUS=<{shards} ids> with DLC_TRAINER_SHARDS={shards})"
+                f"trainer.parallel.dp_shard = {self.trainer.parallel.dp_shard} ranks"
+                + (f" on {nodes} nodes ({shards} per node)" if nodes > 1 else "")
+                + f" need {shards} GPUs here, but placement.trainer_gpus is {gpus} "
+                f"(compose: DLC_TRAINER_GPUS=<{shards} ids> with DLC_TRAINER_SHARDS={self.trainer.parallel.dp_shard})"
             )
         return self
 

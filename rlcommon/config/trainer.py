@@ -3,6 +3,7 @@ split over processes (`trainer.parallel`) and the published versions it keeps (`
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 from pydantic import Field, model_validator
@@ -52,9 +53,44 @@ class CorrectionConfig(StrictModel):
 class ParallelConfig(StrictModel):
     dp_shard: int = Field(1, ge=1)
     """Trainer ranks the model, its gradients, AdamW state and kept versions are sharded over (FSDP2, one process
-    per rank under torchrun, which `python -m trainer_svc` starts by itself when this is > 1). Each rank trains
-    its share of every batch's rows; the step is the one-process step (trainer_svc/parallel.py). NCCL on CUDA
-    (one GPU per rank), gloo on the CPU."""
+    per rank under torchrun, which `python -m trainer_svc` starts by itself when this is > 1), on all `nodes`
+    together. Each rank trains its share of every batch's rows; the step is the one-process step
+    (trainer_svc/parallel.py). NCCL on CUDA (one GPU per rank), gloo on the CPU."""
+    nodes: int = Field(1, ge=1)
+    """Trainer nodes (machines, containers) the `dp_shard` ranks run on, `dp_shard / nodes` on each. With more than
+    one, every node runs `python -m trainer_svc` with the same settings and torchrun's c10d rendezvous at
+    `rendezvous` gathers them (trainer_svc/nodes.py); the head's ranks come first, its rank 0 runs the service."""
+    head: bool = True
+    """This node runs rank 0, the service (Redis, the coordinator, publishing); False on the other trainer nodes,
+    which need none of its credentials, only the rendezvous and the run's shared storage (checkpoints)."""
+    rendezvous: str = ""
+    """`host:port` of the head trainer node's c10d rendezvous (torchrun --rdzv-endpoint), as every trainer node
+    reaches it; required with nodes > 1. The head also serves the process group's store on port + 1."""
+    join_timeout_s: float = Field(300.0, gt=0)
+    """How long a rendezvous waits for every trainer node (the start, and the restart after a node is lost); past
+    it the trainer exits with an error naming the nodes that did not come (no hang)."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts of the whole rank group from the last checkpoint by torchrun (a rank or a node failed) before the
+    trainer exits with the failure, and its container's restart policy takes over."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Longest a collective waits for a silent rank (a node cut off without a reset) before it fails. Rank 0
+    pings the others while it waits for rollouts, so an idle wait never reaches it."""
+
+    @model_validator(mode="after")
+    def _nodes_fit(self) -> ParallelConfig:
+        if self.dp_shard % self.nodes:
+            raise ValueError(f"trainer.parallel.dp_shard ({self.dp_shard}) must be a multiple of trainer.parallel.nodes "
+                             f"({self.nodes}): every node runs the same number of ranks")
+        if self.nodes > 1 and not re.fullmatch(r"[A-Za-z0-9_.\-]+:\d{1,5}", self.rendezvous):
+            raise ValueError(f"trainer.parallel.nodes = {self.nodes} needs trainer.parallel.rendezvous = host:port, the "
+                             f"head trainer node's address every node reaches (got {self.rendezvous!r})")
+        if self.nodes == 1 and not self.head:
+            raise ValueError("trainer.parallel.head = false is for the other nodes of a trainer on nodes > 1")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.dp_shard // self.nodes
 
 
 class KeepVersionsConfig(StrictModel):

@@ -286,7 +286,7 @@ def test_the_launcher_places_like_compose_only_where_there_are_gpus(tmp_path):
 
 def test_a_sharded_trainer_needs_one_gpu_per_rank():
     on = ["--placement.lock_dir", "/gpu-locks", "--trainer.device", "cuda", "--trainer.parallel.dp_shard", "2"]
-    with pytest.raises(ConfigError, match=r"dp_shard = 2 ranks need as many GPUs, but placement.trainer_gpus is \[0\]"):
+    with pytest.raises(ConfigError, match=r"dp_shard = 2 ranks need 2 GPUs here, but placement.trainer_gpus is \[0\]"):
         load_config(RunConfig, [], on)
     assert load_config(RunConfig, [], [*on, "--placement.trainer_gpus", "0,1"]).trainer.parallel.dp_shard == 2
     assert load_config(RunConfig, [], ["--trainer.parallel.dp_shard", "2"]).placement.trainer_gpus == [0]  # CPU: no GPUs
