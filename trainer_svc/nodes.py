@@ -106,7 +106,13 @@ def launch(parallel: ParallelConfig, *, run_id: str, module_argv: list[str], mod
     from torch.distributed.run import run as torchrun
 
     host, port = split_endpoint(parallel.rendezvous)
-    address, interface = local_address(host, port)
+    try:
+        address, interface = local_address(host, port)
+    except OSError as err:  # the name does not resolve (yet), no route to it
+        logger.error("trainer rendezvous %s: cannot find a route to %s from this node (%s); is "
+                     "trainer.parallel.rendezvous the head trainer node's address on a network this node is on?",
+                     parallel.rendezvous, host, err)
+        return 1
     if interface is not None:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, interface)
@@ -133,7 +139,7 @@ def launch(parallel: ParallelConfig, *, run_id: str, module_argv: list[str], mod
         return 1
     except ChildFailedError as err:
         first = err.get_first_failure()[1]
-        logger.error("trainer ranks failed after %d restarts of the group (trainer.parallel.max_restarts): rank %d "
+        logger.error("trainer ranks failed, the group's restarts spent (trainer.parallel.max_restarts = %d): rank %d "
                      "exited with %s", parallel.max_restarts, first.rank, first.exitcode)
         return 1
     return 0

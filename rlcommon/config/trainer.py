@@ -66,7 +66,7 @@ class ParallelConfig(StrictModel):
     rendezvous: str = ""
     """`host:port` of the head trainer node's c10d rendezvous (torchrun --rdzv-endpoint), as every trainer node
     reaches it; required with nodes > 1. The head also serves the process group's store on port + 1."""
-    join_timeout_s: float = Field(300.0, gt=0)
+    join_timeout_s: float = Field(300.0, ge=1)
     """How long a rendezvous waits for every trainer node (the start, and the restart after a node is lost); past
     it the trainer exits with an error naming the nodes that did not come (no hang)."""
     max_restarts: int = Field(3, ge=0)

@@ -194,3 +194,46 @@ def test_the_trainer_node_files_make_a_head_and_a_follower(cpu: bool, monkeypatc
     assert "shared:/shared" in follower["volumes"] and node["volumes"]["shared"]["external"] is True
     assert head["volumes"]["shared"]["external"] is True
     assert follower["restart"] == "on-failure"
+
+
+def test_the_swarm_trainer_nodes_file(monkeypatch) -> None:
+    """docker-stack.trainer-nodes.yml on docker-stack.yml: the head's trainer hosts the rendezvous, one trainer-node
+    task per labelled node follows it with no secret and no Redis, on the stack's overlay and shared volume."""
+    import re
+
+    import yaml
+
+    from tests.unit.test_swarm_stack import STACK, merge
+
+    stack = merge(STACK, yaml.safe_load((REPO / "docker-stack.trainer-nodes.yml").read_text()))
+    given = {"DLC_TRAINER_NODES": "3", "DLC_TRAINER_SHARDS": "6", "DLC_TRAINER_GPUS": "0,1"}
+
+    def env(service: str) -> dict[str, str]:
+        values = {**given, "DLC_RUN_ID": "default"}
+        return {k: re.sub(r"\$\{(\w+)(?::?[-?]([^}]*))?\}", lambda m: values.get(m.group(1), m.group(2) or ""), str(v))
+                for k, v in stack["services"][service]["environment"].items()}
+
+    for key in list(os.environ):
+        if key.startswith("DLC_"):
+            monkeypatch.delenv(key)
+    head = env("trainer")
+    assert head["DLC_TRAINER__PARALLEL__NODES"] == "3" and head["DLC_REDIS__URL"] == "redis://trainer@redis:6379/0"
+    follower = stack["services"]["trainer-node"]
+    with monkeypatch.context() as m:
+        for key, value in env("trainer-node").items():
+            m.setenv(key, value)
+        cfg = load_config(RunConfig, [REPO / "configs/default.toml"], use_env=True)
+    p = cfg.trainer.parallel
+    assert (p.nodes, p.dp_shard, p.ranks_per_node, p.head, p.rendezvous) == (3, 6, 2, False, "trainer:29400")
+    assert cfg.redis.url is None and cfg.coordinator.auth_token is None and "secrets" not in follower
+    assert follower["deploy"]["mode"] == "global"
+    assert follower["deploy"]["placement"]["constraints"] == ["node.labels.dlc.role == trainer"]
+    assert follower["networks"] == ["dlc"] and "shared:/shared" in follower["volumes"]
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_a_clear_error(caplog) -> None:
+    from trainer_svc.nodes import launch
+
+    parallel = ParallelConfig(dp_shard=2, nodes=2, head=False, rendezvous="no-such-host.invalid:29400")
+    assert launch(parallel, run_id="r", module_argv=[]) == 1
+    assert "cannot find a route to no-such-host.invalid from this node" in caplog.text
