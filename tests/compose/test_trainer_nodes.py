@@ -95,20 +95,18 @@ def test_two_trainer_nodes_survive_the_loss_of_either(nodes):
         assert n < STEPS, f"the run ended (row {n}) before the test could fault it: raise STEPS"
         return n if n >= at_least else None
 
-    at = head.wait("5 steps on two trainer nodes", lambda: rows(5), timeout=900)
-    started = time.monotonic()
-    kill(follower)
-    print(f"kill -9 the trainer node at row {at}")
-    head.wait("the trainer node back", lambda: restarted(follower, 1), timeout=300)
-    again = head.wait("4 more steps after the node came back", lambda: rows(at + 4), timeout=600)
-    node_recovery_s = time.monotonic() - started
+    def lose(container, what: str, at: int) -> tuple[int, float]:
+        """kill -9 `container` at row `at`: (the row 4 steps after it is back, the seconds that took)."""
+        started = time.monotonic()
+        kill(container)
+        print(f"kill -9 {what} at row {at}")
+        head.wait(f"{what} back", lambda: restarted(container, 1), timeout=300)
+        after = head.wait(f"4 more steps after {what} came back", lambda: rows(at + 4), timeout=600)
+        return after, time.monotonic() - started
 
-    started = time.monotonic()
-    kill(trainer)
-    print(f"kill -9 the head's trainer at row {again}")
-    head.wait("the head's trainer back", lambda: restarted(trainer, 1), timeout=300)
-    later = head.wait("4 more steps after the head's trainer came back", lambda: rows(again + 4), timeout=600)
-    head_recovery_s = time.monotonic() - started
+    at = head.wait("5 steps on two trainer nodes", lambda: rows(5), timeout=900)
+    again, node_recovery_s = lose(follower, "the trainer node", at)
+    later, head_recovery_s = lose(trainer, "the head's trainer", again)
 
     # The node lost for good: no restart, so the head's rendezvous waits join_timeout_s, then says why and exits.
     follower.update(restart_policy={"Name": "no"})
