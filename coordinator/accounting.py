@@ -111,6 +111,21 @@ class BatchAccounting:
         return BatchRecord(batch_id=batch_id, status="trained", group_size=self.ccfg.group_size, groups=[],
                            planned_at=0.0)
 
+    def resend_planned(self) -> list[int]:
+        """Redis lost writes (it came back empty, or without its last second): the tasks of the batches still
+        planned may have gone with them, and the samplers' group. Each such batch's tasks are written again,
+        whole (a slot names the same rollout id as before: the trainer keeps one rollout per slot). Returns
+        the batch ids."""
+        batch_ids = [record.batch_id for record in self.ledger.records(status="planned")]
+        for batch_id in batch_ids:
+            record = self.ledger.get(batch_id)
+            slots = [(g, i) for g in range(len(record.groups)) for i in range(record.group_size)]
+            self.planner.reissue(batch_id, slots)
+            self.slots_reissued += len(slots)
+        if batch_ids:
+            logger.warning("Redis lost the coordinator's writes: the tasks of batches %s written again", batch_ids)
+        return batch_ids
+
     # ------------------------------------------------------------------------------- trainer reports
 
     def mark_complete(self, batch_id: int, *, num_rollouts: int = 0) -> BatchRecord:
@@ -133,15 +148,15 @@ class BatchAccounting:
         """The trainer holds `filled_slots` (numbered group_id * G + sample_index) of the batch it waits on.
         Re-issues the missing slots once the batch has stalled for `coordinator.batch_stall_s`, and again
         each further stall (see `stalls`); not while no sampler is live (nobody could sample them, and the
-        tasks already queued reach the first sampler back)."""
+        tasks already queued reach the first sampler back). Whatever the batch's status: a trainer that
+        replays a complete or trained batch after a restart re-reads its rollouts from Redis, unless Redis lost
+        them (it came back empty) and only a new sample brings them back."""
         if (archived := self.archived(batch_id)) is not None:
             return ProgressAnswer([], 0.0, archived)
         record = self.for_trainer(batch_id)
         num_slots = len(record.groups) * record.group_size
         filled = check_filled_slots(filled_slots, record)
         now = self.clock()
-        if record.status != "planned":  # complete or trained (a replaying trainer): nothing can be missing
-            return ProgressAnswer([], 0.0, record)
         progress = track_progress(self._progress, batch_id=batch_id, num_filled=len(filled), now=now)
         reissued: list[tuple[int, int]] = []
         stalled = is_stalled(progress, num_slots=num_slots, now=now, stall_s=self.ccfg.batch_stall_s)

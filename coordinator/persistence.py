@@ -249,9 +249,11 @@ class StateCheck:
     coordinator wrote? If not (Redis restarted and lost the last writes, or came back empty), write the whole
     state back."""
 
-    def __init__(self, store: CoordinatorStore, every_s: float) -> None:
+    def __init__(self, store: CoordinatorStore, every_s: float, on_lost: Callable[[], None] | None = None) -> None:
         self.store = store
         self.every_s = every_s
+        self.on_lost = on_lost
+        """Called after the write-back: what else Redis lost with the state (the tasks stream) is made good."""
         self._next = 0.0
 
     def __call__(self) -> None:
@@ -261,3 +263,5 @@ class StateCheck:
         self._next = now + self.every_s
         if not self.store.verify():
             self.store.rewrite("Redis does not hold the coordinator's last writes")
+            if self.on_lost is not None:
+                self.on_lost()

@@ -115,7 +115,8 @@ class Coordinator:
         self._rollouts_producer = rollouts_producer
         self._tasks_stream = TasksStream(tasks_producer)
         self._lock = RunLock(self.store, self.run_id)
-        self._check_state = StateCheck(self.store, self.ccfg.state_check_s)
+        self._check_state = StateCheck(self.store, self.ccfg.state_check_s,
+                                       on_lost=lambda: self.accounting.resend_planned())
         self._started = False
         self.started_at = 0.0
         self.run = RunValues.empty(self.ccfg.keep_step_rows)

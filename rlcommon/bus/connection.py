@@ -99,6 +99,17 @@ def _answers(url: str) -> bool:
     return True
 
 
+REFUSED_LOG_EVERY_S = 60.0
+"""How often a call waiting on a Redis that refuses writes says so again."""
+
+
+def refuses_writes(exc: redis.ResponseError) -> bool:
+    """Redis's answer while it cannot persist (`stop-writes-on-bgsave-error`, a failed append-only write):
+    MISCONF, or a transaction aborted for it (EXECABORT ... MISCONF)."""
+    text = str(exc)
+    return text.startswith("MISCONF") or ("EXECABORT" in text and "MISCONF" in text)
+
+
 # ------------------------------------------------------------------------------------------- connection
 
 
@@ -153,9 +164,23 @@ class RedisConnection:
         """
         deadline: float | None = None
         delay = 0.05
+        refused_since: float | None = None
         while True:
             try:
                 result = fn(self.client)
+            except redis.ResponseError as exc:
+                if not refuses_writes(exc) or _stopping.is_set():
+                    raise
+                # Redis cannot persist (its append-only file or snapshot failed: a full disk) and refuses every
+                # write until it can: wait for it, saying so, rather than crash and be restarted into the same.
+                now = time.monotonic()
+                if refused_since is None or now - refused_since >= REFUSED_LOG_EVERY_S:
+                    log.error("redis at %s refuses writes (%s): its disk is full or not writable? Waiting for it "
+                              "(every service does; nothing is lost)", self.display_url, str(exc)[:200])
+                    refused_since = now
+                _stopping.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
             except redis.AuthenticationError as exc:  # a configuration problem, not an outage
                 user = self.client.get_connection_kwargs().get("username") or "default"
                 raise BusAuthError(
@@ -193,6 +218,8 @@ class RedisConnection:
                 continue
             if deadline is not None:
                 log.info("redis at %s reachable again", self.display_url)
+            if refused_since is not None:
+                log.info("redis at %s takes writes again", self.display_url)
             return result
 
     def close(self) -> None:

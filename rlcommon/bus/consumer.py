@@ -254,7 +254,7 @@ class StreamConsumer:
         (XAUTOCLAIM would also take this consumer's own entries, which it may legitimately hold, e.g.
         rollouts acked only once a checkpoint covers them.) Returns the entries and their delivery counts.
         """
-        summary = self.conn.call(lambda client: client.xpending(self.stream, self.group))
+        summary = self._pending_summary()
         others = [
             row["name"] for row in summary.get("consumers") or [] if row["name"] != self.consumer.encode()
         ]
@@ -370,9 +370,22 @@ class StreamConsumer:
             client.hincrby(_counts_key(self.stream), f"acked:{self.group}", acked)
         return acked
 
+    def _pending_summary(self) -> dict:
+        """XPENDING's summary of the group; none pending while the group does not exist (Redis came back empty,
+        or its producer has not made it yet): it is made again here when this consumer makes its group."""
+        try:
+            return self.conn.call(lambda client: client.xpending(self.stream, self.group))
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+        if self.create_group:
+            log.warning("group %s of %s vanished (Redis lost its data?); recreating it", self.group, self.stream)
+            self.ensure_group()
+        return {"pending": 0, "consumers": []}
+
     def pending_count(self, *, consumer_only: bool = False) -> int:
         """Entries delivered to the group (or to this consumer only) and not yet acked."""
-        summary = self.conn.call(lambda client: client.xpending(self.stream, self.group))
+        summary = self._pending_summary()
         if not consumer_only:
             return int(summary["pending"])
         for row in summary.get("consumers") or []:

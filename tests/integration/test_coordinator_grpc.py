@@ -574,11 +574,16 @@ def test_a_stalled_batch_gets_exactly_its_missing_slots_reissued(start_server):
     assert stub.GetStatus(pb.GetStatusRequest()).slots_reissued == 2
     assert stub.GetBatchPlan(pb.GetBatchPlanRequest(batch_id=0)).plan.summary.num_reissues == 2
     assert list(progress(stub, 0, holding).reissued_slots) == []
-    # A complete batch is never re-issued.
+    # A complete batch whose trainer reports a slot missing (it restarted, and Redis lost the rollouts it had
+    # read: it came back empty) stalls like any other: its missing slot is re-issued after stall_s, not before.
     stub.MarkBatchComplete(pb.MarkBatchCompleteRequest(batch_id=0))
     done = progress(stub, 0, holding)
-    assert list(done.reissued_slots) == [] and done.stalled_s == 0.0
+    assert list(done.reissued_slots) == [] and done.stalled_s < stall_s
     assert len(tasks_in_stream(second)) == len(planned) + 2
+    register(stub, "s0")
+    replayed = wait_until(reissued, timeout=10)
+    assert list(replayed.reissued_slots) == [2] and replayed.batch.status == pb.BATCH_COMPLETE
+    assert len(tasks_in_stream(second)) == len(planned) + 3
 
 
 def test_status_reports_queue_depths(server):
