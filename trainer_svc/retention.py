@@ -8,7 +8,8 @@
   unhealthy one (it failed to load a version or missed a sync ack) pins until it has been unhealthy on the same
   version for `trainer.unhealthy_sampler_grace_s` (from when the trainer first saw it so), then no longer: one
   sampler stuck on an old version must not keep a model copy per publish alive in the trainer. One that still
-  loads newer versions (marked unhealthy only because its acks come after the next publish) keeps pinning.
+  loads newer versions (marked unhealthy only because its acks come after the next publish) keeps pinning. One
+  that restarts (it registers again, healthy, at an older version) keeps its grace: a crash loop does not pin.
 - `lag_refusal`: with `coordinator.max_lag_steps` set, a rollout of a version that was superseded more than
   `max_lag_steps + max_inflight_batches` steps before the step that would train it is refused. Batches planned
   before a publish (the in-flight window) are sampled with the old version by every sampler, and a load takes a
@@ -85,18 +86,25 @@ class SamplerPins:
             seen.add(sampler.sampler_id)
             if sampler.health in (LOST, LEFT):  # a draining sampler still serves its version: it pins it
                 continue
+            record = self.unhealthy_since.get(sampler.sampler_id)
+            if record is not None and sampler.weight_version < record[1]:
+                # Back at an older version (it restarted: a sampler registers at version 0 and loads from there):
+                # still the sampler that failed at record's version, whatever its health now. A crash loop must
+                # not start the grace again with each registration.
+                since, version = record
+                if now - since > self.grace_s:
+                    self._report_stuck(sampler.sampler_id, version)
+                    continue
+                versions.append(sampler.weight_version)
+                continue
             if sampler.health == UNHEALTHY:
-                since, version = self.unhealthy_since.get(sampler.sampler_id, (now, sampler.weight_version))
-                if sampler.weight_version != version:  # it loaded another version: not stuck
+                since, version = record or (now, sampler.weight_version)
+                if sampler.weight_version > version:  # it loaded a newer version: not stuck
                     since, version = now, sampler.weight_version
                     self._reported.discard(sampler.sampler_id)
                 self.unhealthy_since[sampler.sampler_id] = (since, version)
                 if now - since > self.grace_s:
-                    if sampler.sampler_id not in self._reported:
-                        self._reported.add(sampler.sampler_id)
-                        logger.warning("sampler %s has been unhealthy on weight version %d for more than %g s: "
-                                       "that version is no longer kept for it", sampler.sampler_id,
-                                       sampler.weight_version, self.grace_s)
+                    self._report_stuck(sampler.sampler_id, version)
                     continue
             else:
                 self.unhealthy_since.pop(sampler.sampler_id, None)
@@ -106,6 +114,12 @@ class SamplerPins:
             del self.unhealthy_since[sampler_id]
             self._reported.discard(sampler_id)
         return versions
+
+    def _report_stuck(self, sampler_id: str, version: int) -> None:
+        if sampler_id not in self._reported:
+            self._reported.add(sampler_id)
+            logger.warning("sampler %s has been unhealthy on weight version %d for more than %g s (restarts "
+                           "included): that version is no longer kept for it", sampler_id, version, self.grace_s)
 
 
 def lag_refusal(

@@ -220,3 +220,20 @@ def test_a_sampler_that_left_pins_nothing_one_draining_still_does():
     pins = SamplerPins(grace_s=60.0)
     versions = pins.serving_versions([SamplerState("a", 3, LEFT), SamplerState("b", 4, DRAINING)])
     assert versions == [4]
+
+
+def test_a_crash_looping_sampler_keeps_its_grace_across_registrations():
+    """It fails at version 4 (unhealthy), crashes, registers again healthy at version 0 (then unhealthy there, or
+    lost): each registration used to start the grace again, so it pinned every version from 0 up for good."""
+    clock = Clock()
+    pins = SamplerPins(grace_s=10, clock=clock)
+    assert pins.serving_versions(states(("a", 6, HEALTHY), ("b", 4, UNHEALTHY))) == [6, 4]
+    for health in (HEALTHY, UNHEALTHY, LOST, HEALTHY):  # restart after restart, within the grace: still pins
+        clock.now += 2
+        assert pins.serving_versions(states(("a", 6, HEALTHY), ("b", 0, health))) == ([6, 0] if health != LOST
+                                                                                      else [6])
+    clock.now += 3  # 11 s since it failed at version 4
+    assert pins.serving_versions(states(("a", 7, HEALTHY), ("b", 0, HEALTHY))) == [7]
+    assert pins.serving_versions(states(("a", 7, HEALTHY), ("b", 0, UNHEALTHY))) == [7]
+    # it gets past its failure (serves version 4 or newer, healthy): it pins again
+    assert pins.serving_versions(states(("a", 7, HEALTHY), ("b", 7, HEALTHY))) == [7, 7]
