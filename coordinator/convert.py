@@ -118,6 +118,7 @@ def batch_plan_pb(record: BatchRecord) -> pb.BatchPlan:
                 prompt=g.prompt,
                 num_prompt_tokens=g.num_prompt_tokens,
                 payload=g.payload,
+                prompt_sha256=g.prompt_sha256,
             )
             for g in record.groups
         ],

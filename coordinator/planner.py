@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlcommon.plan_ids import plan_horizon, task_id_of
+from rlcommon.plan_ids import plan_horizon, prompt_digest, task_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class GroupPlan:
     prompt: str
     num_prompt_tokens: int
     payload: dict[str, str]
+    prompt_sha256: str = ""
+    """`rlcommon.plan_ids.prompt_digest` of its prompt ids: the trainer trains a rollout only on this prompt
+    ("" in records persisted before it existed: not checked)."""
 
 
 @dataclass
@@ -333,6 +336,7 @@ class BatchPlanner:
                 prompt=problem.prompt,
                 num_prompt_tokens=int(prompt_ids.size),
                 payload=payload,
+                prompt_sha256=prompt_digest(prompt_ids),
             )
             groups.append((group, prompt_ids))
         return groups
@@ -409,7 +413,10 @@ class BatchPlanner:
     def _replanned_groups(self, record: BatchRecord) -> list[tuple[GroupPlan, np.ndarray]]:
         """The plan of a persisted batch, re-created (with its prompt ids); PlanError if it differs."""
         groups = self.plan_groups(record.batch_id)
-        if [g for g, _ in groups] != record.groups:
+        # a record from before the prompt digest existed compares without it (other lengths differ anyway)
+        persisted = [g if g.prompt_sha256 else replace(g, prompt_sha256=new.prompt_sha256)
+                     for g, (new, _) in zip(record.groups, groups, strict=False)]
+        if len(record.groups) != len(groups) or [g for g, _ in groups] != persisted:
             raise PlanError(
                 f"batch {record.batch_id}: the persisted plan differs from the plan of the current task "
                 "settings; the run's task or tokenizer settings changed (use a new bus.run_id)"

@@ -152,7 +152,7 @@ class BatchSummary(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., num_groups: _Optional[int] = ..., group_size: _Optional[int] = ..., planned_at: _Optional[float] = ..., complete_at: _Optional[float] = ..., trained_at: _Optional[float] = ..., trained_step: _Optional[int] = ..., num_reissues: _Optional[int] = ..., reissued_slots: _Optional[int] = ..., rollouts_by_sampler: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
-    __slots__ = ("group_id", "task_id", "prompt_index", "prompt", "num_prompt_tokens", "payload")
+    __slots__ = ("group_id", "task_id", "prompt_index", "prompt", "num_prompt_tokens", "payload", "prompt_sha256")
     class PayloadEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,13 +166,15 @@ class PromptGroup(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SHA256_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     task_id: str
     prompt_index: int
     prompt: str
     num_prompt_tokens: int
     payload: _containers.ScalarMap[str, str]
-    def __init__(self, group_id: _Optional[int] = ..., task_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., prompt: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., payload: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prompt_sha256: str
+    def __init__(self, group_id: _Optional[int] = ..., task_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., prompt: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., payload: _Optional[_Mapping[str, str]] = ..., prompt_sha256: _Optional[str] = ...) -> None: ...
 
 class BatchPlan(_message.Message):
     __slots__ = ("summary", "groups", "weight_version_hint")

@@ -198,6 +198,12 @@ class Coordinator:
                                  timeout_s=timeout_s, retry=retry)
         return tuple(reply.reissued_slots)
 
+    def planned_prompts(self, batch_id: int) -> tuple[str, ...]:
+        """The prompt digest of each group of a planned batch (`rlcommon.plan_ids.prompt_digest`; "" for a group
+        planned before the digest existed). INVALID_ARGUMENT (grpc.RpcError) for a batch that is not planned."""
+        reply = self.client.call("GetBatchPlan", pb.GetBatchPlanRequest(batch_id=batch_id))
+        return tuple(g.prompt_sha256 for g in sorted(reply.plan.groups, key=lambda g: g.group_id))
+
     def announce_published(self, *, weight_version: int, path: str, sha256: str, step: int, reason: str) -> None:
         self.client.call("AnnouncePublished", pb.AnnouncePublishedRequest(
             weight_version=weight_version, path=path, sha256=sha256, step=step, reason=reason,

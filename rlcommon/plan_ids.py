@@ -8,7 +8,11 @@ produce a second rollout for the same slot. Ids are stable across restarts: they
 
 from __future__ import annotations
 
-__all__ = ["plan_horizon", "rollout_id", "slot_rollout_id", "task_id_of"]
+import hashlib
+
+import numpy as np
+
+__all__ = ["plan_horizon", "prompt_digest", "rollout_id", "slot_rollout_id", "task_id_of"]
 
 
 def task_id_of(batch_id: int, group_id: int) -> str:
@@ -24,6 +28,12 @@ def rollout_id(task_id: str, sample_index: int) -> str:
 def slot_rollout_id(batch_id: int, group_id: int, sample_index: int) -> str:
     """The id a rollout of slot (batch, group, sample) must carry."""
     return rollout_id(task_id_of(batch_id, group_id), sample_index)
+
+
+def prompt_digest(prompt_ids: np.ndarray) -> str:
+    """sha256 (hex) of a prompt's token ids as little-endian int64: the coordinator plans it, the trainer checks a
+    rollout's prompt against it (a rollout is trained only on the prompt its slot was planned with)."""
+    return hashlib.sha256(np.asarray(prompt_ids, dtype="<i8").tobytes()).hexdigest()
 
 
 def plan_horizon(num_trained: int, max_inflight_batches: int, total_batches: int | None = None) -> int:

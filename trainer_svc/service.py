@@ -37,7 +37,7 @@ from rlcommon.logs import timeline
 from rlcommon.metrics import MetricsSink, start_metrics_server
 from rlcommon.models import model_vocab_size, resolve_model
 from rlcommon.models.tokenizer import load_tokenizer
-from rlcommon.plan_ids import plan_horizon, slot_rollout_id
+from rlcommon.plan_ids import plan_horizon, prompt_digest, slot_rollout_id
 from rlcommon.step_stats import ESS_LAG, REWARD_MEAN
 from rlcommon.streams import DATA_FIELD, ROLLOUTS, ROLLOUTS_GROUP, TOKENS, stream_key
 from rlcommon.task.evaluation import is_eval_row
@@ -152,6 +152,8 @@ class TrainerService:
         self.group_size = cfg.coordinator.group_size
         self.samples_per_batch = self.batch_size * self.group_size
         self.buffers: dict[int, BatchBuffer] = defaultdict(BatchBuffer)
+        self.planned_prompts: dict[int, tuple[str, ...]] = {}
+        """Batch id -> its groups' prompt digests, as the coordinator planned them (asked once per batch)."""
         self.next_batch_id = 0
         self.duplicates_dropped = 0
         self.skipped_batches = 0
@@ -379,6 +381,27 @@ class TrainerService:
             logger.warning("dead-lettering %d rollouts: %s", len(items), reason)
             self.consumer.reject(items, reason=reason)
 
+    def prompt_problem(self, rollout: Rollout) -> str | None:
+        """Why a rollout's prompt is not the one its slot was planned with, or None: a sampler cannot put
+        training data of its own choosing into a slot (every rollout is checked, the first for a slot too)."""
+        planned = self.planned_prompts.get(rollout.batch_id)
+        if planned is None:
+            try:
+                planned = self.coordinator.planned_prompts(rollout.batch_id)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                return f"batch_id {rollout.batch_id}: {err.details()}"
+            self.planned_prompts[rollout.batch_id] = planned
+        expected = planned[rollout.group_id] if rollout.group_id < len(planned) else ""
+        if not expected:  # a plan persisted before prompt digests existed
+            return None
+        got = prompt_digest(rollout.prompt_ids)
+        if got != expected:
+            return (f"prompt_ids: not the prompt planned for batch {rollout.batch_id} group {rollout.group_id} "
+                    f"(sha256 {got[:12]}..., planned {expected[:12]}...)")
+        return None
+
     def accept_horizon(self) -> int:
         """Batches below it may hold rollouts: what the coordinator plans for this trainer's trained prefix
         (`plan_horizon`), or further when it said it planned further (it replays after a restart)."""
@@ -413,6 +436,9 @@ class TrainerService:
         # steps after the checkpoint re-creates it before any batch that holds this rollout is trained.
         if rollout.batch_id < self.next_batch_id:
             return None  # an already trained batch: dropped as a duplicate
+        problem = self.prompt_problem(rollout)
+        if problem is not None:
+            return problem
         snapshots = self.train_step.snapshots
         released = [v for v in versions if v <= self.train_step.weight_version and not snapshots.is_kept(v)]
         if released:
@@ -429,6 +455,7 @@ class TrainerService:
 
     def train_batch(self, batch_id: int) -> None:
         buffer = self.buffers.pop(batch_id)
+        self.planned_prompts.pop(batch_id, None)
         slots = sorted(buffer.rollouts)
         rollouts = [buffer.rollouts[slot] for slot in slots]
         with self.stages.stage("mark_complete"):

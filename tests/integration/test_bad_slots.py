@@ -40,6 +40,9 @@ MAX_QUEUE_DEPTH = 8  # the least the config allows: (checkpoint_every - 1 + max_
 VOCAB_SIZE = 64  # the tiny model's config.json vocab_size
 FOREIGN_GROUP = "monitor"
 FORGED_BATCH = 0
+"""Its rollouts forged with ids or logprobs the model cannot take (refused by the bus)."""
+PROMPT_BATCH = 1
+"""Its rollouts forged with a prompt other than the planned one, in the vocabulary (refused by the trainer)."""
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.vllm, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 
@@ -68,6 +71,26 @@ def forge(real: wire.Rollout, group_id: int, sample_index: int) -> tuple[wire.Ro
         "prompt_ids": prompt, "response_ids": response, "topk_ids": topk_ids, "sampler_logprobs": logprobs,
     })
     return forged, reason
+
+
+def forge_prompt(real: wire.Rollout, other_prompt: np.ndarray, group_id: int, sample_index: int
+                 ) -> tuple[wire.Rollout, str]:
+    """A copy of the real rollout of slot (group_id, sample_index) of PROMPT_BATCH on another prompt, every id in
+    the vocabulary: training data of the sampler's choosing for a planned slot. The start of its dead-letter
+    reason (the digests follow)."""
+    prompt = real.prompt_ids.copy()
+    case = group_id * G + sample_index
+    if case == 0:  # the prompt planned for the batch's other group
+        prompt = other_prompt.copy()
+    elif case == 1:  # one token changed
+        prompt[-1] = (int(prompt[-1]) + 1) % VOCAB_SIZE
+    elif case == 2:  # one token short
+        prompt = prompt[:-1]
+    else:  # one token more
+        prompt = np.append(prompt, prompt[-1])
+    forged = wire.Rollout(**{**{name: getattr(real, name) for name in real.__dataclass_fields__},
+                             "prompt_ids": prompt})
+    return forged, f"prompt_ids: not the prompt planned for batch {PROMPT_BATCH} group {group_id} (sha256 "
 
 
 class SlotsDriver(FaultDriver):
@@ -130,6 +153,14 @@ def forged_run(tmp_path_factory) -> dict[str, Any]:
             data = wire.encode(message)
             assert driver.redis.xdel(rollouts, real_entry) == 1
             forged[driver.redis.xadd(rollouts, {b"d": data})] = (rollout.rollout_id, data, reason)
+        real = {(r.group_id, r.sample_index): (e, r) for e, r in entries if r.batch_id == PROMPT_BATCH}
+        assert len(real) == B * G
+        for (group_id, sample_index), (real_entry, rollout) in sorted(real.items()):
+            other = real[((group_id + 1) % B, 0)][1].prompt_ids
+            message, reason = forge_prompt(rollout, other, group_id, sample_index)
+            data = wire.encode(message)
+            assert driver.redis.xdel(rollouts, real_entry) == 1
+            forged[driver.redis.xadd(rollouts, {b"d": data})] = (rollout.rollout_id, data, reason)
         obs["forged"] = forged
         obs["tasks_before"] = len(driver.redis.xrange(driver.stream("tasks")))
 
@@ -157,10 +188,10 @@ def forged_run(tmp_path_factory) -> dict[str, Any]:
 
 def test_each_forged_rollout_is_dead_lettered_with_the_field_it_breaks(forged_run):
     letters = forged_run["dead_letters"]
-    assert len(letters) == len(forged_run["forged"]) == B * G, [d[b"reason"] for d in letters]
+    assert len(letters) == len(forged_run["forged"]) == 2 * B * G, [d[b"reason"] for d in letters]
     for entry, (rollout_id, data, reason) in forged_run["forged"].items():
         (letter,) = [d for d in letters if d[b"entry_id"] == entry]
-        assert letter[b"reason"].decode() == reason, rollout_id
+        assert letter[b"reason"].decode().startswith(reason), (rollout_id, letter[b"reason"])
         assert letter[b"data"] == data
         assert (letter[b"group"], letter[b"stream"]) == (ROLLOUTS_GROUP.encode(), stream_key(RUN_ID, "rollouts").encode())
     assert forged_run["status"].queues.deadletter == len(letters)
@@ -179,17 +210,21 @@ def test_the_trainer_kept_running_and_every_batch_was_trained_once(forged_run):
     batches = forged_run["batches"]
     assert [b.batch_id for b in batches] == list(range(STEPS))
     assert all(b.status == pb.BATCH_TRAINED and b.trained_step == b.batch_id for b in batches)
-    assert forged_run["trainer_state"]["rejected_rollouts"] == 0  # refused by the bus, before the trainer's checks
+    # batch 0's refused by the bus, before the trainer's checks; batch 1's by the trainer's check of the prompt
+    assert forged_run["trainer_state"]["rejected_rollouts"] == B * G
 
 
-def test_the_empty_slots_were_reissued_and_sampled_again(forged_run):
-    stalled = forged_run["batches"][FORGED_BATCH]
+@pytest.mark.parametrize("batch_id", [FORGED_BATCH, PROMPT_BATCH])
+def test_the_empty_slots_were_reissued_and_sampled_again(forged_run, batch_id):
+    stalled = forged_run["batches"][batch_id]
     assert stalled.num_reissues >= 1 and stalled.reissued_slots >= B * G
-    assert f"batch {FORGED_BATCH} stalled: 0 of {B * G} slots filled" in forged_run["logs"]["coordinator"]
-    reissued = [t for t in forged_run["tasks"][forged_run["tasks_before"]:] if t.batch_id == FORGED_BATCH]
+    assert f"batch {batch_id} stalled: 0 of {B * G} slots filled" in forged_run["logs"]["coordinator"]
+    reissued = [t for t in forged_run["tasks"][forged_run["tasks_before"]:] if t.batch_id == batch_id]
     assert {t.group_id for t in reissued} == set(range(B))
     last_forged = max(entry_id(e) for e in forged_run["forged"])
     for rollout_id, _, _ in forged_run["forged"].values():
+        if not rollout_id.startswith(f"b{batch_id}-"):
+            continue
         copies = [r for e, r in forged_run["rollouts"]
                   if r is not None and r.rollout_id == rollout_id and entry_id(e) > last_forged]
         assert copies, f"{rollout_id} was not sampled again"
