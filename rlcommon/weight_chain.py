@@ -34,7 +34,10 @@ from typing import Any
 
 __all__ = [
     "DELTAS_DIR",
+    "MAX_WALK",
+    "ChainError",
     "FetchPlan",
+    "delta_base",
     "delta_entry",
     "delta_file_name",
     "fetch_plan",
@@ -101,28 +104,57 @@ class FetchPlan:
 
 MAX_CHAIN = 64
 """Deltas replayed at most to reach back to a sampler's local version; further behind, it starts at an anchor."""
+MAX_WALK = 256
+"""Manifests walked at most down a chain; a longer chain is not replayed: the announced version is fetched whole."""
+
+
+class ChainError(ValueError):
+    """A manifest's delta names no usable base (not a version number below its own), or the chain loops."""
+
+
+def delta_base(version: int, manifest: Mapping[str, Any]) -> int | None:
+    """The version that `manifest`'s (version `version`) delta rebuilds from; None when it has no delta.
+    ChainError unless the base is an integer in [0, version): a chain only goes down, so it cannot loop."""
+    delta = manifest.get("delta")
+    if not delta:
+        return None
+    if not isinstance(delta, Mapping):
+        raise ChainError(f"version {version}: its 'delta' is not a table")
+    base = delta.get("base_version")
+    if not isinstance(base, int) or isinstance(base, bool):
+        raise ChainError(f"version {version}: its delta names no base version (base_version {base!r})")
+    if base == version:
+        raise ChainError(f"version {version}: its delta's base is itself: the chain loops")
+    if not 0 <= base < version:
+        raise ChainError(f"version {version}: its delta's base {base} is not a version below it: the chain would "
+                         "loop or run forward")
+    return base
 
 
 def fetch_plan(target: int, local: int | None, manifests: Mapping[int, Mapping[str, Any] | None], *,
-               max_chain: int = MAX_CHAIN) -> FetchPlan | int:
+               max_chain: int = MAX_CHAIN, max_walk: int = MAX_WALK) -> FetchPlan | int:
     """How to get `target` from the `local` version (None: none usable as a base), given the manifests read so
     far (`manifests[v]`: v's manifest, None when it could not be had); or the version whose manifest to read next.
 
     Walks from `target` down the `delta.base_version` links: back to `local` (at most `max_chain` deltas) ->
     replay those deltas; else to the chain's anchor -> that version whole, then the deltas above it; a link
-    that cannot be had -> `target` whole."""
+    that cannot be had, or a walk past `max_walk` links -> `target` whole. ChainError for a link that loops or
+    names no base below its version (`delta_base`): the walk is bounded whatever the manifests say."""
     chain: list[int] = []
+    seen: set[int] = set()
     version = target
     while True:
         if version == local:
             return FetchPlan(whole=None, deltas=tuple(reversed(chain)))
+        if version in seen:
+            raise ChainError(f"the delta chain of version {target} comes back to version {version}: it loops")
+        seen.add(version)
         if version not in manifests:
             return version
         manifest = manifests[version]
-        if manifest is None:
+        if manifest is None or len(chain) >= max_walk:
             return FetchPlan(whole=target, deltas=())
-        delta = manifest.get("delta")
-        base = int(delta["base_version"]) if delta else None
+        base = delta_base(version, manifest)
         toward_local = local is not None and base is not None and base >= local and len(chain) < max_chain
         if not toward_local and (base is None or version == manifest.get("anchor", version)):
             return FetchPlan(whole=version, deltas=tuple(reversed(chain)))

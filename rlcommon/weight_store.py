@@ -52,11 +52,13 @@ __all__ = [
     "WeightsError",
     "TMP_PREFIX",
     "check_compatible",
+    "check_file_name",
     "delete_version",
     "latest_version",
     "load_version",
     "manifest_sha256",
     "newest_anchor",
+    "plain_file_name",
     "publish_version",
     "published_versions",
     "resolve_announced_version",
@@ -73,10 +75,27 @@ _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 # Files of the source model folder that are not copied (the published weights and config replace them).
 _NOT_COPIED = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.safetensors\.index\.json|\.bin\.index\.json)$")
 _WRITTEN_BY_MODEL = ("config.json", "generation_config.json", MANIFEST_NAME)
+_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
 class WeightsError(Exception):
     """A version folder is missing, partial, or does not match its manifest (or cannot be published)."""
+
+
+def plain_file_name(name: object) -> bool:
+    """Whether `name` is a file name the weight channel serves and writes: one path part of ASCII letters, digits
+    and `._-`, starting with a letter or digit, at most 201 characters. So never absolute, never `..` or `.`,
+    never a `/` or `\\` (no folder part), no NUL, control, space or non-ASCII character, never a `.tmp-` name."""
+    return isinstance(name, str) and _PLAIN_FILE_NAME.fullmatch(name) is not None
+
+
+def check_file_name(name: object, where: str) -> str:
+    """`name` when `plain_file_name(name)`; else WeightsError naming it and `where` (the manifest it came from).
+    What a fetch calls on every name a manifest gives before it writes a byte."""
+    if not plain_file_name(name):
+        raise WeightsError(f"{where}: entry {name!r} is not a plain file name inside the folder (letters, digits, "
+                           "'._-', no folder part): refused")
+    return name
 
 
 @dataclass(frozen=True)

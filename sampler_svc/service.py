@@ -10,9 +10,10 @@ one rollout per sample, acks the task, and follows the coordinator's weight upda
     stop()   cancel background work, shut the engine down (unacked tasks are redelivered to others)
 
 Weight updates are loaded by one background task, the newest heard of first. A load that fails (a corrupted or
-missing file, a sha256 mismatch, a path outside the sampler's weights root: `version_path`) is acked with its
-error (the coordinator marks the sampler unhealthy and stops waiting for it) and tried again after `sampler.reload_retry_s`, doubled each time up to `reload_retry_max_s`, or
-at once when a newer version is announced. Until a load succeeds, a sampler left on a version older than the
+missing file, a sha256 mismatch, a path outside the sampler's weights root: `version_path`, a fetch refused, any
+other exception) is acked with its error (the coordinator marks the sampler unhealthy and stops waiting for it)
+and tried again after `sampler.reload_retry_s`, doubled each time up to `reload_retry_max_s`, or at once when a
+newer version is announced; should the loader itself ever end, the sampler stops with that failure. Until a load succeeds, a sampler left on a version older than the
 published one takes no task: its rollouts would be ever staler, and the other samplers take the tasks.
 """
 
@@ -134,7 +135,7 @@ class SamplerService:
                 cfg.sampler.weights_url, self.weights_root(),
                 token=cfg.coordinator.dashboard_token or cfg.coordinator.auth_token, tls_ca=cfg.coordinator.tls_ca,
                 tls_server_name=cfg.coordinator.tls_server_name, timeout_s=cfg.sampler.fetch_timeout_s,
-                resumes=cfg.sampler.fetch_resumes,
+                resumes=cfg.sampler.fetch_resumes, deadline_s=cfg.sampler.fetch_deadline_s,
             )
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -168,8 +169,10 @@ class SamplerService:
         await self.register()
         if self.wanted_update is not None:  # published before this sampler started: loaded before any task
             await self.apply_update(self.wanted_update)
+        loader = asyncio.create_task(self.load_weights())
+        loader.add_done_callback(self._loader_done)
         self.background = [asyncio.create_task(self.follow_weight_updates()), asyncio.create_task(self.heartbeats()),
-                           asyncio.create_task(self.load_weights())]
+                           loader]
         if cfg.eval.enabled:
             self.evals = EvalSlice.from_config(cfg, conn=self.conn, engine=self.engine, sampler_id=self.sampler_id,
                                                limits=self.limits, rewards=self.rewards, metrics=self.metrics,
@@ -417,9 +420,19 @@ class SamplerService:
             self.may_take_tasks.set()
             logger.info("taking tasks again (serving version %d)", self.engine.weight_version)
 
+    def _loader_done(self, loader: asyncio.Task) -> None:
+        """The weight loader never ends before the service stops (`load_weights` catches every failure); if it
+        does, the sampler stops with that failure rather than serve its old version forever, unacked."""
+        if loader.cancelled() or self.stopping.is_set():
+            return
+        self.failure = loader.exception() or RuntimeError("the weight loader ended")
+        logger.error("the weight loader ended: %r; stopping", self.failure)
+        self.stopping.set()
+
     async def load_weights(self) -> None:
-        """Load the newest weight update heard of. After a failed load, try again after `reload_retry_s`,
-        doubled after each further failure up to `reload_retry_max_s`, or at once when a newer update arrives."""
+        """Load the newest weight update heard of. After a failed load (any exception: acked with its error), try
+        again after `reload_retry_s`, doubled after each further failure up to `reload_retry_max_s`, or at once when
+        a newer update arrives."""
         cfg = self.cfg.sampler
         failures = 0
         while not self.stopping.is_set():
@@ -432,6 +445,9 @@ class SamplerService:
                 loaded = await self.apply_update(update)
             except grpc.aio.AioRpcError as err:  # the ack did not reach the coordinator: the load itself counts
                 logger.warning("AckWeightVersion of version %d failed: %s", update.weight_version, err.details())
+                loaded = not self.load_error
+            except Exception:  # the ack failed otherwise: logged, never the end of the loader
+                logger.exception("acking weight version %d failed", update.weight_version)
                 loaded = not self.load_error
             if loaded or self.stopping.is_set():
                 failures = 0
@@ -486,6 +502,10 @@ class SamplerService:
             self.failure = err
             self.stopping.set()
             self.load_error = f"engine failed while loading: {err}"
+        except Exception as err:  # anything else (a bug too) fails this load like a bad folder: acked, tried again
+            self.load_error = f"{type(err).__name__}: {err}"
+            logger.exception("weight version %d failed to load (still serving %d)", update.weight_version,
+                             self.engine.weight_version)
         self.update_task_gate()
         self.metrics.gauge("weight_version", self.engine.weight_version)
         await self.ack(update.weight_version, error=self.load_error, load_s=time.perf_counter() - started)

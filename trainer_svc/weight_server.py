@@ -12,11 +12,12 @@ compose mounts the folder read-only into it) on `weight_server.host:port`:
                                         the model starts its engine from
 
 Files are answered by aiohttp's `FileResponse`: `Range` requests (a cut download resumes where it stopped),
-`ETag`/`If-Range` (a resume never splices two different files), sendfile. A version folder is served only when
-whole (named `vNNNNNN`, never a `.tmp-` folder being written or deleted), a file only when it is a plain file
-directly inside it (links out of it are refused). Every route but /healthz needs the coordinator's token
-(`Authorization: Bearer <coordinator.auth_token or dashboard_token>`: the read-only token is enough) when the
-run has one; HTTPS with `coordinator.tls_cert`/`tls_key` when the coordinator uses TLS.
+`ETag`/`If-Range` (a resume never splices two different files), sendfile. At most `weight_server.max_connections`
+answers are sent at once: a turn is held until an answer's last byte is sent (or its client went away). A version
+folder is served only when whole (named `vNNNNNN`, never a `.tmp-` folder being written or deleted), a file only
+when it is a plain file directly inside it (links out of it are refused). Every route but /healthz needs the
+coordinator's token (`Authorization: Bearer <coordinator.auth_token or dashboard_token>`: the read-only token is
+enough) when the run has one; HTTPS with `coordinator.tls_cert`/`tls_key` when the coordinator uses TLS.
 
 Why aiohttp: it is already in every sampler image (a vLLM dependency), it is asyncio (the sampler's loop), and
 its FileResponse implements ranges, conditional requests and sendfile, so no HTTP is written here.
@@ -36,14 +37,20 @@ from pathlib import Path
 from aiohttp import web
 
 from rlcommon.config import RunConfig
-from rlcommon.weight_store import DELTAS_DIR, TMP_PREFIX, latest_version, published_versions, sha256_file
+from rlcommon.weight_store import (
+    DELTAS_DIR,
+    TMP_PREFIX,
+    latest_version,
+    plain_file_name,
+    published_versions,
+    sha256_file,
+)
 
 __all__ = ["make_app", "serve", "main"]
 
 logger = logging.getLogger("weight_server")
 
 _FOLDER = re.compile(r"^v\d{6,}$")
-_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
 def _tokens(cfg: RunConfig) -> list[bytes]:
@@ -52,7 +59,7 @@ def _tokens(cfg: RunConfig) -> list[bytes]:
 
 def _plain_file_inside(folder: Path, name: str) -> Path:
     """`folder/name` when it is a plain file directly inside `folder` (every link resolved), else 404."""
-    if not _FILE.match(name) or name.startswith(TMP_PREFIX):
+    if not plain_file_name(name) or name.startswith(TMP_PREFIX):
         raise web.HTTPNotFound(text=f"no file {name!r}")
     path = folder / name
     try:
@@ -69,9 +76,23 @@ def model_manifest(model_dir: str | Path) -> dict:
     """The starting model's manifest: every plain file directly in its folder (links followed: a hub snapshot's
     files are links into its blob store), name -> sha256, and their sizes."""
     folder = Path(model_dir)
-    files = {p.name: p.resolve() for p in sorted(folder.iterdir()) if _FILE.match(p.name) and p.resolve().is_file()}
+    files = {p.name: p.resolve() for p in sorted(folder.iterdir()) if plain_file_name(p.name) and p.resolve().is_file()}
     return {"files": {name: sha256_file(path) for name, path in files.items()},
             "sizes": {name: path.stat().st_size for name, path in files.items()}}
+
+
+class FileInTurn(web.FileResponse):
+    """A file's answer sent within one of the server's `max_connections` turns: the turn is taken when aiohttp
+    starts the answer and held until its last byte went out (FileResponse.prepare sends the whole body) or the
+    client went away (prepare raises), not only while the handler picks the file."""
+
+    def __init__(self, path: Path, turns: asyncio.Semaphore) -> None:
+        super().__init__(path)
+        self._turns = turns
+
+    async def prepare(self, request: web.BaseRequest):
+        async with self._turns:
+            return await super().prepare(request)
 
 
 def make_app(publish_dir: str | Path, *, tokens: list[bytes], max_connections: int = 64,
@@ -91,8 +112,7 @@ def make_app(publish_dir: str | Path, *, tokens: list[bytes], max_connections: i
             if not any(hmac.compare_digest(given, token) for token in tokens):
                 raise web.HTTPUnauthorized(text="this weight server needs the run's token: Authorization: Bearer <token>",
                                            headers={"WWW-Authenticate": 'Bearer realm="weights"'})
-        async with turns:
-            return await handler(request)
+        return await handler(request)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -100,14 +120,14 @@ def make_app(publish_dir: str | Path, *, tokens: list[bytes], max_connections: i
     async def versions(_: web.Request) -> web.Response:
         return web.json_response({"versions": published_versions(root), "latest": latest_version(root)})
 
-    async def weights(request: web.Request) -> web.FileResponse:
+    async def weights(request: web.Request) -> FileInTurn:
         folder = request.match_info["folder"]
         if not _FOLDER.match(folder) or not (root / folder).is_dir():
             raise web.HTTPNotFound(text=f"no published version folder {folder!r}")
-        return web.FileResponse(_plain_file_inside(root / folder, request.match_info["name"]))
+        return FileInTurn(_plain_file_inside(root / folder, request.match_info["name"]), turns)
 
-    async def deltas(request: web.Request) -> web.FileResponse:
-        return web.FileResponse(_plain_file_inside(root / DELTAS_DIR, request.match_info["name"]))
+    async def deltas(request: web.Request) -> FileInTurn:
+        return FileInTurn(_plain_file_inside(root / DELTAS_DIR, request.match_info["name"]), turns)
 
     async def model_files(request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
@@ -117,7 +137,7 @@ def make_app(publish_dir: str | Path, *, tokens: list[bytes], max_connections: i
             return web.Response(body=model_json, content_type="application/json")
         if name not in model["files"]:
             raise web.HTTPNotFound(text=f"no file {name!r} in the starting model")
-        return web.FileResponse((Path(model_dir) / name).resolve())
+        return FileInTurn((Path(model_dir) / name).resolve(), turns)
 
     app = web.Application(middlewares=[guard])
     app.router.add_get("/v1/model/{name}", model_files)

@@ -101,6 +101,10 @@ class SamplerConfig(StrictModel):
     fetch_resumes: int = Field(3, ge=0)
     """How many times one file's download is resumed after a broken connection before the fetch fails (the
     sampler then keeps its version and tries again after `reload_retry_s`)."""
+    fetch_deadline_s: float = Field(1800.0, gt=0)
+    """`weight_transfer = "http"`: the longest one fetch of a version (or of the starting model's files) may take,
+    whatever the server sends; past it the fetch fails like any other (the sampler keeps its version and tries
+    again after `reload_retry_s`; at start it stops). Raise it for a large model over a slow link."""
     weights_dir: str | None = None
     """`weight_transfer = "http"`: the sampler's own folder for the versions it fetched (default
     `<run_dir>/fetched/<sampler_id>`; emptied at start, holding the served version and the one being fetched).
