@@ -1,11 +1,17 @@
-"""Optional shared-token authentication and TLS for the coordinator's gRPC server (clients: rlcommon.rpc).
+"""Optional token authentication, by role, and TLS for the coordinator's gRPC server (clients: rlcommon.rpc).
 
-With `coordinator.auth_token` set, every Coordinator call must carry the metadata
-`authorization: Bearer <token>`; a missing or wrong token is UNAUTHENTICATED. The read-only calls (status,
-history, plans) also take `coordinator.dashboard_token`, a token that can change nothing (the dashboard's, or a
-read-only operator's); a state-changing call with it is PERMISSION_DENIED. gRPC health and reflection stay open.
-Tokens travel in clear text unless TLS is on (`coordinator.tls_cert` + `tls_key` on the server,
-`coordinator.tls_ca` on clients).
+With `coordinator.auth_token` set, every Coordinator call must carry the metadata `authorization: Bearer <token>`;
+a missing or unknown token is UNAUTHENTICATED. Each token is a role's, and a role may make only its calls
+(coordinator/server.py `METHOD_ROLES`); another call is PERMISSION_DENIED, naming the role and the call:
+
+    operator  coordinator.auth_token (the write token: dlcctl, the launcher)   every call
+    trainer   coordinator.trainer_token                                        the trainer's calls and the reads
+    sampler   coordinator.sampler_token (shared by every sampler)              the samplers' calls
+    read      coordinator.dashboard_token (the dashboard, read-only dlcctl)    the reads
+
+A role token left unset is no token at all: that role's clients then need the write token, as before role tokens
+existed. Every token must differ from the others. gRPC health and reflection stay open. Tokens travel in clear text
+unless TLS is on (`coordinator.tls_cert` + `tls_key` on the server, `coordinator.tls_ca` on clients).
 """
 
 from __future__ import annotations
@@ -13,21 +19,37 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import grpc
 
-from rlcommon.rpc import AUTH_HEADER, BEARER, auth_metadata, read_pem
+from rlcommon.rpc import AUTH_HEADER, BEARER, OPERATOR, READ, ROLES, SAMPLER, TRAINER, auth_metadata, read_pem
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "AUTH_HEADER",
+    "OPERATOR",
+    "READ",
+    "ROLES",
+    "SAMPLER",
+    "TRAINER",
+    "RoleTokens",
     "TokenAuthInterceptor",
     "auth_metadata",
     "server_credentials",
 ]
+
+ROLE_TOKEN_KEYS = {OPERATOR: "auth_token", TRAINER: "trainer_token", SAMPLER: "sampler_token",
+                   READ: "dashboard_token"}
+"""The `coordinator.*` key of each role's token."""
+_ROLE_WORDS = {
+    OPERATOR: "the operator's write token (auth_token)",
+    TRAINER: "the trainer's token (trainer_token, role trainer)",
+    SAMPLER: "the samplers' token (sampler_token, role sampler)",
+    READ: "the read-only dashboard token (dashboard_token, role read)",
+}
 
 
 def _bearer(metadata: Any) -> tuple[bytes | None, str | None]:
@@ -43,21 +65,47 @@ def _bearer(metadata: Any) -> tuple[bytes | None, str | None]:
     return value[len(BEARER) :].encode(), None
 
 
-def _same(given: bytes, expected: str | None) -> bool:
-    return bool(expected) and hmac.compare_digest(given, expected.encode())  # type: ignore[union-attr]
+class RoleTokens:
+    """The tokens the coordinator accepts, each a role's: `write` (operator; required) and the optional `trainer`,
+    `sampler` and `read` (dashboard) tokens. ValueError when two are the same."""
 
+    def __init__(self, write: str, *, trainer: str | None = None, sampler: str | None = None,
+                 read: str | None = None) -> None:
+        if not write:
+            raise ValueError("the coordinator's role tokens need a write token (coordinator.auth_token)")
+        given = {OPERATOR: write, TRAINER: trainer or None, SAMPLER: sampler or None, READ: read or None}
+        self._tokens = {role: token.encode() for role, token in given.items() if token}
+        roles = list(self._tokens)
+        for i, first in enumerate(roles):
+            for second in roles[i + 1:]:
+                if hmac.compare_digest(self._tokens[first], self._tokens[second]):
+                    raise ValueError(f"coordinator.{ROLE_TOKEN_KEYS[second]} must differ from coordinator."
+                                     f"{ROLE_TOKEN_KEYS[first]}: each role's token grants that role's calls only")
 
-def _token_problem(expected: str, metadata: Any, *, read_token: str | None = None,
-                   read_only: bool = False) -> tuple[grpc.StatusCode, str] | None:
-    """Why the call's metadata does not authorize it (status code, message), or None when it does."""
-    given, problem = _bearer(metadata)
-    if given is None:
-        return grpc.StatusCode.UNAUTHENTICATED, str(problem)
-    if _same(given, expected) or (read_only and _same(given, read_token)):
-        return None
-    if _same(given, read_token):
-        return grpc.StatusCode.PERMISSION_DENIED, "the read-only dashboard token cannot change the run's state"
-    return grpc.StatusCode.UNAUTHENTICATED, "invalid token"
+    @classmethod
+    def from_config(cls, ccfg: Any) -> RoleTokens | None:
+        """The tokens of a `CoordinatorConfig`; None without auth_token (no call is checked)."""
+        if not ccfg.auth_token:
+            return None
+        return cls(ccfg.auth_token, trainer=ccfg.trainer_token, sampler=ccfg.sampler_token, read=ccfg.dashboard_token)
+
+    @property
+    def roles(self) -> frozenset[str]:
+        """The roles with a token."""
+        return frozenset(self._tokens)
+
+    def role_of(self, token: bytes) -> str | None:
+        """The role whose token `token` is, None when it is none's (every token is compared, whichever matches)."""
+        found = None
+        for role, expected in self._tokens.items():
+            if hmac.compare_digest(token, expected):
+                found = role
+        return found
+
+    def role_of_call(self, metadata: Any) -> str | None:
+        """The role of the token a call's metadata carries (None: no token, or an unknown one)."""
+        given, _ = _bearer(metadata)
+        return None if given is None else self.role_of(given)
 
 
 def _denied_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -79,22 +127,44 @@ def _denied_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, messa
     return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` on the methods in `protected` (full names: /pkg.Svc/Method);
-    those also in `read_methods` take `read_token` too."""
+def refusal(method: str, role: str, allowed: Collection[str]) -> str:
+    """The PERMISSION_DENIED message of `role` calling `method` (a full name /pkg.Svc/Method), which `allowed`
+    roles may call."""
+    call = method.rsplit("/", 1)[-1]
+    takes = " or ".join(_ROLE_WORDS[r] for r in ROLES if r in allowed)
+    if role == READ:
+        return (f"{call}: {_ROLE_WORDS[READ]} cannot change the run's state (a read-only token); this call takes "
+                f"{takes}")
+    return f"{call}: {_ROLE_WORDS[role]} may not make this call; it takes {takes}"
 
-    def __init__(self, token: str, protected: Collection[str], *, read_token: str | None = None,
-                 read_methods: Collection[str] = ()) -> None:
-        if not token:
-            raise ValueError("TokenAuthInterceptor needs a non-empty token")
-        if read_token is not None and hmac.compare_digest(read_token.encode(), token.encode()):
-            raise ValueError("coordinator.dashboard_token must differ from coordinator.auth_token (it is read-only)")
-        self._token = token
-        self._read_token = read_token or None
-        self._protected = frozenset(protected)
-        self._read_methods = frozenset(read_methods)
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on every method of `service` (its full name, e.g.
+    dlc.coordinator.v1.Coordinator), and that the token's role be one of `method_roles[method]` (full names:
+    /pkg.Svc/Method); a method of `service` missing from `method_roles` takes the write token only. Other services
+    (health, reflection) stay open."""
+
+    def __init__(self, tokens: RoleTokens, method_roles: Mapping[str, Collection[str]], *, service: str) -> None:
+        self._tokens = tokens
+        self._method_roles = {method: frozenset(roles) for method, roles in method_roles.items()}
+        self._prefix = f"/{service}/"
         self._refused = 0
         self._next_log = 0.0
+
+    def problem(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
+        """Why a call of `method` with `metadata` is refused (status code, message), or None when it is not."""
+        if not method.startswith(self._prefix):
+            return None
+        given, problem = _bearer(metadata)
+        if given is None:
+            return grpc.StatusCode.UNAUTHENTICATED, str(problem)
+        role = self._tokens.role_of(given)
+        if role is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "invalid token"
+        allowed = self._method_roles.get(method, frozenset({OPERATOR}))
+        if role in allowed:
+            return None
+        return grpc.StatusCode.PERMISSION_DENIED, refusal(method, role, allowed)
 
     async def intercept_service(
         self,
@@ -102,11 +172,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method not in self._protected:
+        if handler is None:
             return handler
-        problem = _token_problem(self._token, handler_call_details.invocation_metadata,
-                                 read_token=self._read_token, read_only=method in self._read_methods)
+        method = handler_call_details.method
+        problem = self.problem(method, handler_call_details.invocation_metadata)
         if problem is None:
             return handler
         code, message = problem

@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
             elif code == grpc.StatusCode.UNAUTHENTICATED:
                 detail += "; pass --token or set DLC_TOKEN (the read-only DLC_DASHBOARD_TOKEN serves the read commands)"
             elif code == grpc.StatusCode.PERMISSION_DENIED:
-                detail += "; this command needs the run's write token (DLC_TOKEN), not the read-only one"
+                detail += "; this command needs the run's write token (DLC_TOKEN), not the read-only one or a role's"
             err.write(f"dlcctl: error: {code.name}: {detail}\n")
             return 1
     return 0

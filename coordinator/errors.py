@@ -1,6 +1,6 @@
 """What the coordinator refuses, and the argument checks that refuse it.
 
-`CoordinatorError` and its three kinds are what a call may raise (the gRPC layer maps each to a status code:
+`CoordinatorError` and its four kinds are what a call may raise (the gRPC layer maps each to a status code:
 coordinator/server.py); `StartupError` is what `Coordinator.start` raises on a run it cannot take. The checks
 are pure functions: each returns its (normalised) argument or raises `InvalidArgument` naming the field.
 """
@@ -18,6 +18,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "FailedPrecondition",
+    "PermissionDenied",
     "StartupError",
     "non_negative",
     "check_sampler_id",
@@ -52,6 +53,10 @@ class NotFound(CoordinatorError):
 
 class FailedPrecondition(CoordinatorError):
     """A well-formed call out of protocol order (e.g. training batches out of plan order)."""
+
+
+class PermissionDenied(CoordinatorError):
+    """A call its caller may not make: a sampler acting, with the samplers' token, for another sampler's id."""
 
 
 class StartupError(RuntimeError):

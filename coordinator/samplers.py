@@ -11,12 +11,18 @@ Health is derived, not stored as a state machine:
 - else HEALTHY.
 Only HEALTHY and UNHEALTHY samplers are live: syncs wait for them, and a stalled batch is re-issued only while
 one is.
+
+Each registration is given a new session (`new_session`; only its sha256 is kept, in the record): the samplers
+share one token, so the session is what ties a call made with that token to the sampler id it names
+(coordinator/service.py `_require_sampler`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
@@ -25,12 +31,22 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 __all__ = ["SAMPLER_ID_PATTERN", "SamplerRecord", "SamplerRegistry", "HEALTHY", "UNHEALTHY", "LOST", "DRAINING",
-           "LEFT", "LIVE"]
+           "LEFT", "LIVE", "new_session", "session_digest"]
 
 SAMPLER_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 HEALTHY, UNHEALTHY, LOST, DRAINING, LEFT = "healthy", "unhealthy", "lost", "draining", "left"
 LIVE = frozenset({HEALTHY, UNHEALTHY})
 """The healths of a live sampler: syncs wait for it."""
+
+
+def new_session() -> str:
+    """A registration's session: a random secret the sampler's later calls carry (protos/coordinator.proto)."""
+    return secrets.token_urlsafe(32)
+
+
+def session_digest(session: str) -> str:
+    """What the coordinator keeps of a session (in Redis too): its sha256, hex."""
+    return hashlib.sha256(session.encode()).hexdigest()
 
 
 @dataclass
@@ -51,6 +67,9 @@ class SamplerRecord:
     """When it said it leaves the fleet (LeaveFleet, not done); 0 = not leaving."""
     left_at: float = 0.0
     """When it left the fleet (LeaveFleet, done); 0 = it has not."""
+    session_sha256: str = ""
+    """sha256 (hex) of the session its last registration was given (`session_digest`); the session itself is kept
+    nowhere but in the sampler. "" = a record of a coordinator that gave none (that sampler registers again)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,7 +137,8 @@ class SamplerRegistry:
             self._reported_lost.discard(sampler_id)
             logger.info("sampler %s forgotten (lost or left long ago)", sampler_id)
 
-    def register(self, sampler_id: str, *, weight_version: int, hostname: str, pid: int) -> SamplerRecord:
+    def register(self, sampler_id: str, *, weight_version: int, hostname: str, pid: int,
+                 session_sha256: str = "") -> SamplerRecord:
         now = self.clock()
         previous = self._records.get(sampler_id)
         record = SamplerRecord(
@@ -128,6 +148,7 @@ class SamplerRegistry:
             weight_version=weight_version,
             registered_at=now,
             last_heartbeat_at=now,
+            session_sha256=session_sha256,
         )
         self._save(record)
         self._records[sampler_id] = record
@@ -149,6 +170,11 @@ class SamplerRegistry:
                 weight_version,
             )
         return record
+
+    def session_owner(self, digest: str) -> str | None:
+        """The sampler whose current registration was given the session of sha256 `digest`, if any."""
+        return next((sid for sid, r in self._records.items() if r.session_sha256 and r.session_sha256 == digest),
+                    None)
 
     def heartbeat(
         self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int, num_rollouts: int,

@@ -9,8 +9,10 @@ FailedPrecondition -> FAILED_PRECONDITION, Redis unreachable -> UNAVAILABLE.
 Reads are bounded: at most `coordinator.max_reads_in_flight` read calls at once (more: RESOURCE_EXHAUSTED, which
 clients retry with backoff), and equal reads share one answer for `coordinator.read_cache_s`
 (coordinator/read_cache.py; any accepted state change makes the next read fresh). With `coordinator.auth_token`
-set, every Coordinator method needs a token (coordinator/auth.py): the read methods accept the read-only
-`coordinator.dashboard_token` as well.
+set, every Coordinator method needs a token (coordinator/auth.py), and takes those of the roles `METHOD_ROLES`
+gives it: the write token every method, the trainer's token the trainer's calls and the reads, the samplers' token
+the samplers' calls, the read-only dashboard token the reads. A sampler call made with the samplers' token must
+also carry the session its sampler's registration was given (`RegisterSampler` makes one each time).
 The server also runs the standard health service (`grpc.health.v1.Health`, SERVING once the state is
 loaded) and server reflection, so stock tools (grpcurl, grpc_health_probe) work.
 
@@ -32,10 +34,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import auth, convert
+from coordinator.auth import OPERATOR, SAMPLER, TRAINER, RoleTokens
+from coordinator.auth import READ as READ_ROLE
 from coordinator.dashboard import DashboardServer
-from coordinator.errors import CoordinatorError, FailedPrecondition, InvalidArgument, NotFound
+from coordinator.errors import (
+    CoordinatorError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from coordinator.read_cache import ReadCache
-from coordinator.samplers import LIVE, UNHEALTHY
+from coordinator.samplers import LIVE, UNHEALTHY, new_session, session_digest
 from coordinator.service import Coordinator
 from coordinator.syncs import WeightBroadcaster
 from coordinator.worker import READ, CoordinatorThread
@@ -46,37 +56,40 @@ from rlcommon.rpc import READS_BUSY
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["READ_METHODS", "SERVICE_NAME", "STATE_CHANGING_METHODS", "CoordinatorServicer", "CoordinatorServer"]
+__all__ = ["METHOD_ROLES", "READ_METHODS", "SAMPLER_METHODS", "SERVICE_NAME", "STATE_CHANGING_METHODS",
+           "TRAINER_METHODS", "CoordinatorServicer", "CoordinatorServer"]
 
 T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-STATE_CHANGING_METHODS = frozenset(
-    f"/{SERVICE_NAME}/{name}"
-    for name in (
-        "RegisterSampler",
-        "SubscribeWeightUpdates",
-        "AckWeightVersion",
-        "Heartbeat",
-        "LeaveFleet",
-        "MarkBatchComplete",
-        "ReportBatchProgress",
-        "ReportStep",
-        "AnnouncePublished",
-        "TriggerSync",
-    )
-)
-"""Methods that need the write token (coordinator.auth_token) when one is configured."""
-READ_METHODS = frozenset(
-    f"/{SERVICE_NAME}/{name}"
-    for name in ("GetStatus", "ListSamplers", "ListSyncs", "GetBatchPlan", "ListBatches", "ListEvals")
-)
-"""Methods that only read: with a token configured they take the write token or the read-only dashboard_token."""
+
+
+def _full(*names: str) -> frozenset[str]:
+    return frozenset(f"/{SERVICE_NAME}/{name}" for name in names)
+
+
+SAMPLER_METHODS = _full("RegisterSampler", "SubscribeWeightUpdates", "AckWeightVersion", "Heartbeat", "LeaveFleet")
+"""The samplers' calls (sampler_svc, rlcommon.coordinator_api.AsyncCoordinator)."""
+TRAINER_METHODS = _full("MarkBatchComplete", "ReportBatchProgress", "ReportStep", "AnnouncePublished")
+"""The trainer's calls that change the run (trainer_svc, rlcommon.coordinator_api.Coordinator)."""
+READ_METHODS = _full("GetStatus", "ListSamplers", "ListSyncs", "GetBatchPlan", "ListBatches", "ListEvals")
+"""Methods that only read."""
+STATE_CHANGING_METHODS = SAMPLER_METHODS | TRAINER_METHODS | _full("TriggerSync")
+"""Methods that change the run's state (TriggerSync: the operator's only)."""
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    **{method: frozenset({OPERATOR, SAMPLER}) for method in SAMPLER_METHODS},
+    **{method: frozenset({OPERATOR, TRAINER}) for method in TRAINER_METHODS},
+    **{method: frozenset({OPERATOR, TRAINER, READ_ROLE}) for method in READ_METHODS},
+    f"/{SERVICE_NAME}/TriggerSync": frozenset({OPERATOR}),
+}
+"""Which roles' tokens each Coordinator method takes (coordinator/auth.py); a method missing here takes the write
+token only. The samplers read nothing (they need no read), the trainer reads status and plans."""
 
 _CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -92,8 +105,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         submit: Callable[..., Any],
         max_reads_in_flight: int = 16,
         read_cache_s: float = 1.0,
+        tokens: RoleTokens | None = None,
     ) -> None:
         self._core = coordinator
+        self._tokens = tokens
         self._run = run
         self._submit = submit
         self._broadcaster = broadcaster
@@ -153,9 +168,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     # ------------------------------------------------------------------------------------- samplers
 
+    async def _session(self, context: grpc.aio.ServicerContext, request: Any, call: str) -> str | None:
+        """The session a sampler call must match: the request's when the call came with the samplers' token
+        (PERMISSION_DENIED when it carries none), else None (a call with the write token is not bound)."""
+        if self._tokens is None or self._tokens.role_of_call(context.invocation_metadata()) != SAMPLER:
+            return None
+        if not request.session:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{call}: a call with the samplers' token (role sampler) must carry the session of its sampler's "
+                "registration (RegisterSamplerResponse.session): the token is every sampler's, the session one's",
+            )
+        return request.session
+
     async def RegisterSampler(
         self, request: pb.RegisterSamplerRequest, context
     ) -> pb.RegisterSamplerResponse:
+        session = new_session()
         view, published_version, latest = await self._call(
             context,
             self._core.register_sampler,
@@ -163,12 +192,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             weight_version=request.weight_version,
             hostname=request.hostname,
             pid=request.pid,
+            session_sha256=session_digest(session),
         )
         reply = pb.RegisterSamplerResponse(
             sampler=convert.sampler_pb(view),
             published_version=published_version,
             heartbeat_timeout_s=self._core.ccfg.sampler_heartbeat_timeout_s,
             run_id=self._core.run_id,
+            session=session,
         )
         if latest is not None:
             reply.latest.CopyFrom(convert.weight_update_pb(latest))
@@ -177,7 +208,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def SubscribeWeightUpdates(
         self, request: pb.SubscribeWeightUpdatesRequest, context
     ) -> AsyncIterator[pb.WeightUpdate]:
-        await self._call(context, self._core.open_subscription, request.sampler_id, request.weight_version)
+        session = await self._session(context, request, "SubscribeWeightUpdates")
+        await self._call(context, self._core.open_subscription, request.sampler_id, request.weight_version,
+                         session=session)
         try:
             async for update in self._broadcaster.updates(after_version=request.weight_version):
                 yield convert.weight_update_pb(update)
@@ -194,6 +227,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             weight_version=request.weight_version,
             error=request.error,
             load_s=request.load_s,
+            session=await self._session(context, request, "AckWeightVersion"),
         )
         return pb.AckWeightVersionResponse(published_version=published, sync_complete=complete)
 
@@ -207,12 +241,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             num_rollouts=request.num_rollouts,
             num_tokens=request.num_tokens,
             busy_s=request.busy_s,
+            session=await self._session(context, request, "Heartbeat"),
         )
         return pb.HeartbeatResponse(published_version=published, health=convert.HEALTH_TO_PB[health_name])
 
     async def LeaveFleet(self, request: pb.LeaveFleetRequest, context) -> pb.LeaveFleetResponse:
         reissued, health_name = await self._call(
-            context, self._core.leave_fleet, request.sampler_id, done=request.done, reason=request.reason
+            context, self._core.leave_fleet, request.sampler_id, done=request.done, reason=request.reason,
+            session=await self._session(context, request, "LeaveFleet"),
         )
         return pb.LeaveFleetResponse(tasks_reissued=reissued, health=convert.HEALTH_TO_PB[health_name])
 
@@ -377,7 +413,8 @@ class CoordinatorServer:
 
     async def start(self) -> None:
         """Load the coordinator's state, bind the port, start serving (health: SERVING). Refuses (ValueError)
-        to listen beyond this machine without coordinator.auth_token."""
+        to listen beyond this machine without coordinator.auth_token, and a role token without it (no token
+        would be checked: the role would not be the limit its holder thinks)."""
         ccfg = self.cfg.coordinator
         if not ccfg.auth_token and not is_loopback(self.host):
             raise ValueError(
@@ -385,6 +422,12 @@ class CoordinatorServer:
                 "coordinator.auth_token anyone who reaches the port could report steps, publish weights and "
                 "trigger syncs: set coordinator.auth_token (DLC_COORDINATOR__AUTH_TOKEN; compose: DLC_TOKEN), "
                 "or coordinator.host = 127.0.0.1"
+            )
+        if not ccfg.auth_token and (ccfg.sampler_token or ccfg.trainer_token):
+            raise ValueError(
+                "coordinator.sampler_token / trainer_token are set but coordinator.auth_token is not: without the "
+                "write token the coordinator checks no token at all, so those roles would limit nothing; set "
+                "coordinator.auth_token (DLC_COORDINATOR__AUTH_TOKEN; compose: DLC_TOKEN) or unset the role tokens"
             )
         self._worker = CoordinatorThread()
         await self.run(self.coordinator.start)
@@ -412,7 +455,8 @@ class CoordinatorServer:
             self.coordinator.run_id,
             self.address,
             "TLS" if ccfg.tls_cert else "plaintext",
-            "token required" if ccfg.auth_token else "no token",
+            ("tokens required: " + ", ".join(sorted(RoleTokens.from_config(ccfg).roles))) if ccfg.auth_token
+            else "no token",
         )
 
     def _start_dashboard(self) -> DashboardServer:
@@ -439,16 +483,16 @@ class CoordinatorServer:
 
     async def _start_grpc(self, token: str | None, tls_cert: str | None, tls_key: str | None) -> None:
         ccfg = self.cfg.coordinator
+        tokens = RoleTokens.from_config(ccfg) if token else None
         interceptors = [
-            auth.TokenAuthInterceptor(token, STATE_CHANGING_METHODS | READ_METHODS,
-                                      read_token=ccfg.dashboard_token, read_methods=READ_METHODS)
-        ] if token else []
+            auth.TokenAuthInterceptor(tokens, METHOD_ROLES, service=SERVICE_NAME)
+        ] if tokens is not None else []
         interceptors += self._extra_interceptors
         # No SO_REUSEPORT: a second coordinator on a busy port must fail, not share the port's traffic.
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         servicer = CoordinatorServicer(
             self.coordinator, run=self.run, broadcaster=self._broadcaster, submit=self._submit,
-            max_reads_in_flight=ccfg.max_reads_in_flight, read_cache_s=ccfg.read_cache_s,
+            max_reads_in_flight=ccfg.max_reads_in_flight, read_cache_s=ccfg.read_cache_s, tokens=tokens,
         )
         self.servicer = servicer
         pb_grpc.add_CoordinatorServicer_to_server(servicer, server)

@@ -16,6 +16,7 @@ Not thread-safe: the server calls it from one worker thread.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import time
@@ -29,6 +30,7 @@ from coordinator.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     StartupError,
     check_rollouts_by_sampler,
     check_sampler_id,
@@ -50,7 +52,7 @@ from coordinator.persistence import (
     whole_state,
 )
 from coordinator.planner import BATCH_STATUSES, BatchCounts, BatchLedger, BatchPlanner, BatchRecord
-from coordinator.samplers import LEFT, LOST, SamplerRegistry, SamplerView
+from coordinator.samplers import LEFT, LOST, SamplerRegistry, SamplerView, session_digest
 from coordinator.state import CoordinatorStore, StateWrite, TasksStream
 from coordinator.steps import proven_trained, replayed_answer, step_change, sync_decision
 from coordinator.sync_policy import ManualTriggers, PolicyInputError, describe
@@ -265,28 +267,45 @@ class Coordinator:
         """Slots of stalled batches re-issued in this run."""
         return self.accounting.slots_reissued
 
-    def _require_sampler(self, sampler_id: str) -> None:
+    def _require_sampler(self, sampler_id: str, session: str | None = None) -> None:
+        """A registered sampler; with `session` (a call made with the samplers' token), one whose current
+        registration was given that session: another sampler's session is PermissionDenied, one that is no
+        sampler's now (it registered again since) NotFound, which makes a sampler register again."""
         check_sampler_id(sampler_id)
-        if sampler_id not in self.samplers:
+        record = self.samplers.get(sampler_id)
+        if record is None:
             raise NotFound("sampler_id", f"unknown sampler {sampler_id!r}; call RegisterSampler first")
+        if session is None:
+            return
+        digest = session_digest(session)
+        if hmac.compare_digest(record.session_sha256.encode(), digest.encode()):
+            return
+        owner = self.samplers.session_owner(digest)
+        if owner is not None:
+            raise PermissionDenied("session", f"this session was given to sampler {owner!r}, not {sampler_id!r}: the "
+                                              "samplers' token acts only for the sampler id its registration names")
+        raise NotFound("session", f"not the session of sampler {sampler_id!r}'s current registration (it registered "
+                                  "again since, this process or another); call RegisterSampler again")
 
     # ------------------------------------------------------------------------------------- samplers
 
     def register_sampler(
-        self, sampler_id: str, *, weight_version: int, hostname: str = "", pid: int = 0
+        self, sampler_id: str, *, weight_version: int, hostname: str = "", pid: int = 0, session_sha256: str = ""
     ) -> tuple[SamplerView, int, WeightUpdateInfo | None]:
         """Register (again); returns the sampler, the published version, and the latest update when the
-        sampler is behind it."""
+        sampler is behind it. `session_sha256`: the digest of the session this registration is given (the
+        server makes it: coordinator/server.py); it replaces the previous registration's."""
         check_sampler_id(sampler_id)
         non_negative("weight_version", weight_version)
         non_negative("pid", pid)
         short_text("hostname", hostname)
-        self.samplers.register(sampler_id, weight_version=weight_version, hostname=hostname, pid=pid)
+        self.samplers.register(sampler_id, weight_version=weight_version, hostname=hostname, pid=pid,
+                               session_sha256=session_sha256)
         view = next(v for v in self.samplers.views() if v.record.sampler_id == sampler_id)
         return view, self.published_version, self.run.behind(weight_version)
 
-    def open_subscription(self, sampler_id: str, weight_version: int) -> None:
-        self._require_sampler(sampler_id)
+    def open_subscription(self, sampler_id: str, weight_version: int, *, session: str | None = None) -> None:
+        self._require_sampler(sampler_id, session)
         non_negative("weight_version", weight_version)
         self.samplers.subscribed(sampler_id, +1)
         logger.info("sampler %s subscribed at version %d (published %d)", sampler_id, weight_version,
@@ -296,19 +315,20 @@ class Coordinator:
         self.samplers.subscribed(sampler_id, -1)
 
     def ack_weight_version(
-        self, sampler_id: str, *, weight_version: int, error: str = "", load_s: float = 0.0
+        self, sampler_id: str, *, weight_version: int, error: str = "", load_s: float = 0.0,
+        session: str | None = None,
     ) -> tuple[int, bool]:
         """Record a loaded (or failed) version; returns (published version, whether its sync is complete)."""
-        self._require_sampler(sampler_id)
+        self._require_sampler(sampler_id, session)
         sync_complete = self.versions.ack(sampler_id, weight_version=weight_version, error=error, load_s=load_s)
         return self.published_version, sync_complete
 
     def heartbeat(
         self, sampler_id: str, *, weight_version: int, num_inflight_tasks: int = 0, num_rollouts: int = 0,
-        num_tokens: int = 0, busy_s: float = 0.0,
+        num_tokens: int = 0, busy_s: float = 0.0, session: str | None = None,
     ) -> tuple[int, str]:
         """Returns (published version, health)."""
-        self._require_sampler(sampler_id)
+        self._require_sampler(sampler_id, session)
         non_negative("weight_version", weight_version)
         non_negative("num_inflight_tasks", num_inflight_tasks)
         non_negative("num_rollouts", num_rollouts)
@@ -320,10 +340,11 @@ class Coordinator:
         self.fleet.on_heartbeat(sampler_id, num_rollouts=num_rollouts, busy_s=busy_s)
         return self.published_version, self.samplers.health(record)[0]
 
-    def leave_fleet(self, sampler_id: str, *, done: bool, reason: str = "") -> tuple[int, str]:
+    def leave_fleet(self, sampler_id: str, *, done: bool, reason: str = "",
+                    session: str | None = None) -> tuple[int, str]:
         """The sampler leaves the fleet: `done` False, it drains (no sync waits for it); `done` True, the tasks still
         pending at it are served again, and it has left. Idempotent. Returns (tasks re-served now, its health)."""
-        self._require_sampler(sampler_id)
+        self._require_sampler(sampler_id, session)
         short_text("reason", reason)
         reason = reason or "no reason given"
         before = self.samplers.get(sampler_id)

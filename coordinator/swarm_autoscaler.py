@@ -118,13 +118,14 @@ def serve(cfg: RunConfig, stop: threading.Event) -> int:
     from coordinator.autoscale import acting_count
     from coordinator.docker_api import DockerAPI, DockerError
     from rlcommon.coordinator_api import Coordinator
+    from rlcommon.rpc import READ
 
     name = sampler_service_name(cfg.autoscale.swarm_service, os.environ.get(SELF_ENV))
     try:
         docker = DockerAPI(cfg.autoscale.docker_host)
     except ValueError as err:
         raise ConfigError(f"autoscale.docker_host: {err}") from err
-    coordinator = Coordinator.from_config(cfg.coordinator, wait_for_ready=False, timeout_s=10)
+    coordinator = Coordinator.from_config(cfg.coordinator, role=READ, wait_for_ready=False, timeout_s=10)  # reads only
     logger.info("scaling service %s through %s to the coordinator's desired sampler count (every %.0f s)",
                 name, cfg.autoscale.docker_host, cfg.autoscale.poll_s)
     last_why = None

@@ -113,6 +113,32 @@ def dashboard_token_for(ccfg: CoordinatorConfig) -> str | None:
     return secrets.token_urlsafe(24) if ccfg.auth_token else None
 
 
+@dataclass(frozen=True)
+class RoleTokens:
+    """The samplers' and the trainer's coordinator tokens for a run (coordinator/auth.py roles)."""
+
+    sampler: str | None
+    trainer: str | None
+
+
+def role_tokens_for(ccfg: CoordinatorConfig) -> RoleTokens:
+    """coordinator.sampler_token and trainer_token, each else a random one when auth_token is set (the samplers and
+    the trainer then never hold the write token), else None (no token: the coordinator checks none)."""
+    def make(configured: str | None) -> str | None:
+        return configured or (secrets.token_urlsafe(24) if ccfg.auth_token else None)
+
+    return RoleTokens(sampler=make(ccfg.sampler_token), trainer=make(ccfg.trainer_token))
+
+
+def _only_token(key: str, value: str | None) -> dict[str, str]:
+    """The coordinator-token variables of a service that holds `value` as coordinator.`key` (None: none) and no
+    other token: `none` overrides what the run's config.toml holds."""
+    tokens = {name: "none" for name in ("AUTH_TOKEN", "DASHBOARD_TOKEN", "SAMPLER_TOKEN", "TRAINER_TOKEN")}
+    if key:
+        tokens[key] = value or "none"
+    return {f"DLC_COORDINATOR__{name}": token for name, token in tokens.items()}
+
+
 def service_specs(
     *,
     cfg: RunConfig,
@@ -124,6 +150,7 @@ def service_specs(
     dashboard_port: int | None = None,
     dashboard_token: str | None = None,
     weights_port: int | None = None,
+    role_tokens: RoleTokens | None = None,
 ) -> list[ServiceSpec]:
     """The coordinator, the samplers and the trainer, with the variables docker-compose.yml sets.
 
@@ -131,7 +158,10 @@ def service_specs(
     server's `url_for`, rlcommon/redis_acl.py); a service without one gets redis_url. dashboard_port: the
     coordinator's dashboard (None: off); dashboard_token: its read-only token (`dashboard_token_for`), given to
     the coordinator only. weights_port: the weight server's (`sampler.weight_transfer = "http"`; None: no server),
-    which reads the publish folder and holds the tokens, and no Redis URL."""
+    which reads the publish folder and holds the read-only token only, and no Redis URL. role_tokens: the samplers'
+    and the trainer's coordinator tokens (None: `role_tokens_for` makes them); each holds its own only, never the
+    write token (the coordinator holds every token; the trainer's other nodes none)."""
+    role_tokens = role_tokens_for(cfg.coordinator) if role_tokens is None else role_tokens
     common = {
         "DLC_REDIS__URL": redis_url,
         "DLC_RUN_DIR": str(Path(cfg.run_dir).resolve()),
@@ -140,24 +170,25 @@ def service_specs(
         "DLC_MODEL__CACHE_DIR": str(Path(cfg.model.cache_dir).resolve()),
         "DLC_COORDINATOR__HOST": "127.0.0.1",
         "DLC_COORDINATOR__PORT": str(coordinator_port),
-        "DLC_COORDINATOR__AUTH_TOKEN": cfg.coordinator.auth_token or "",
     }
     client = {"DLC_COORDINATOR__ADDRESS": f"127.0.0.1:{coordinator_port}", **placement_env(cfg)}
     coordinator_env = {**common, "DLC_COORDINATOR__METRICS_PORT": "0",
                        "DLC_COORDINATOR__DASHBOARD_PORT": "none" if dashboard_port is None else str(dashboard_port),
-                       "DLC_COORDINATOR__DASHBOARD_TOKEN": dashboard_token or ""}
+                       "DLC_COORDINATOR__AUTH_TOKEN": cfg.coordinator.auth_token or "",
+                       "DLC_COORDINATOR__DASHBOARD_TOKEN": dashboard_token or "",
+                       "DLC_COORDINATOR__SAMPLER_TOKEN": role_tokens.sampler or "",
+                       "DLC_COORDINATOR__TRAINER_TOKEN": role_tokens.trainer or ""}
     specs = [ServiceSpec("coordinator", "coordinator", config_path, coordinator_env)]
-    sampler_env = {}
+    sampler_env = _only_token("SAMPLER_TOKEN", role_tokens.sampler)
     if weights_port is not None:
         scheme = "https" if cfg.coordinator.tls_cert else "http"
         # The read-only token is all the weight server checks and all a sampler sends it: neither can write.
         sampler_env["DLC_SAMPLER__WEIGHTS_URL"] = f"{scheme}://127.0.0.1:{weights_port}"
-        sampler_env["DLC_COORDINATOR__DASHBOARD_TOKEN"] = dashboard_token or ""
+        sampler_env["DLC_COORDINATOR__DASHBOARD_TOKEN"] = dashboard_token or "none"
         specs.append(ServiceSpec("weights", WEIGHT_SERVER, config_path, {
             "DLC_RUN_DIR": common["DLC_RUN_DIR"], "DLC_MODEL__NAME_OR_PATH": model_dir,
             "DLC_MODEL__CACHE_DIR": common["DLC_MODEL__CACHE_DIR"], "DLC_WEIGHT_SERVER__HOST": "127.0.0.1",
-            "DLC_WEIGHT_SERVER__PORT": str(weights_port), "DLC_COORDINATOR__AUTH_TOKEN": "none",
-            "DLC_COORDINATOR__DASHBOARD_TOKEN": dashboard_token or ""}))
+            "DLC_WEIGHT_SERVER__PORT": str(weights_port), **_only_token("DASHBOARD_TOKEN", dashboard_token)}))
     for index in range(cfg.num_samplers):
         specs.append(
             ServiceSpec(
@@ -184,7 +215,8 @@ def service_specs(
             "trainer",
             "trainer_svc",
             config_path,
-            {**common, **client, "DLC_TRAINER__DEVICE": cfg.trainer.device, "DLC_TRAINER__METRICS_PORT": "0",
+            {**common, **client, **_only_token("TRAINER_TOKEN", role_tokens.trainer),
+             "DLC_TRAINER__DEVICE": cfg.trainer.device, "DLC_TRAINER__METRICS_PORT": "0",
              "DLC_TRAINER__METRICS_HOST": "127.0.0.1",
              "DLC_TRAINER__PARALLEL__DP_SHARD": str(cfg.trainer.parallel.dp_shard),
              "DLC_TRACKING__BACKENDS": ",".join(cfg.tracking.backends) or "none",
@@ -198,11 +230,11 @@ def service_specs(
         specs[-1].env.update(nodes)
         for index in range(1, parallel.nodes):
             # Only what a rank that follows the head needs: the model, the run folder (checkpoints), the rendezvous;
-            # no Redis URL, no token.
+            # no Redis URL, no token (each `none`, whatever config.toml holds).
             specs.append(ServiceSpec(f"{TRAINER_NODE}{index}", "trainer_svc", config_path, {
                 "DLC_RUN_DIR": common["DLC_RUN_DIR"], "DLC_BUS__RUN_ID": cfg.bus.run_id,
                 "DLC_MODEL__NAME_OR_PATH": model_dir, "DLC_MODEL__CACHE_DIR": common["DLC_MODEL__CACHE_DIR"],
-                "DLC_COORDINATOR__AUTH_TOKEN": "none", "DLC_TRAINER__DEVICE": cfg.trainer.device,
+                **_only_token("", None), "DLC_TRAINER__DEVICE": cfg.trainer.device,
                 "DLC_TRAINER__PARALLEL__DP_SHARD": str(parallel.dp_shard), "DLC_TRAINER__PARALLEL__HEAD": "false",
                 "DLC_TRACKING__BACKENDS": "none", **nodes, **placement_env(cfg)}))
     redis_user = {"coordinator": "coordinator", "sampler_svc": "sampler", "trainer_svc": "trainer"}

@@ -23,6 +23,7 @@ from launcher.processes import (
     free_ports,
     logger,
     restart_delay,
+    role_tokens_for,
     service_died,
     service_specs,
     wait_for_coordinator,
@@ -91,6 +92,9 @@ class LocalStack:
         token = f"?token={self.dashboard_token}" if self.dashboard_token else ""
         self.dashboard_url = f"{'https' if cfg.coordinator.tls_cert else 'http'}://127.0.0.1:{self.dashboard_port}/{token}"
         """What the launcher prints: it carries the read-only token only, never auth_token."""
+        self.role_tokens = role_tokens_for(cfg.coordinator)
+        """The samplers' and the trainer's coordinator tokens: coordinator.sampler_token / trainer_token, else one
+        each made for this run when auth_token is set (else None); each service is given its own only."""
         self.client = CoordinatorClient.from_config(cfg.coordinator, address=self.address)
         """The launcher's own client of the coordinator (health, summary); tests use it too."""
         self.coordinator = Coordinator(self.client)
@@ -133,7 +137,7 @@ class LocalStack:
         specs = service_specs(cfg=self.cfg, config_path=config_path, redis_url=self.redis_url,
                               model_dir=str(model_dir), coordinator_port=self.port, redis_urls=redis_urls,
                               dashboard_port=self.dashboard_port, dashboard_token=self.dashboard_token,
-                              weights_port=self.weights_port)
+                              weights_port=self.weights_port, role_tokens=self.role_tokens)
         self.specs = {spec.name: spec for spec in specs}
         # Every service starts at once: a sampler's engine (the longest start) need not wait for the coordinator,
         # and the clients wait for it to serve (gRPC wait-for-ready); the consumer groups read from the streams'

@@ -240,38 +240,44 @@ class RegisterSamplerRequest(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterSamplerResponse(_message.Message):
-    __slots__ = ("sampler", "published_version", "latest", "heartbeat_timeout_s", "run_id")
+    __slots__ = ("sampler", "published_version", "latest", "heartbeat_timeout_s", "run_id", "session")
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     sampler: SamplerInfo
     published_version: int
     latest: WeightUpdate
     heartbeat_timeout_s: float
     run_id: str
-    def __init__(self, sampler: _Optional[_Union[SamplerInfo, _Mapping]] = ..., published_version: _Optional[int] = ..., latest: _Optional[_Union[WeightUpdate, _Mapping]] = ..., heartbeat_timeout_s: _Optional[float] = ..., run_id: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, sampler: _Optional[_Union[SamplerInfo, _Mapping]] = ..., published_version: _Optional[int] = ..., latest: _Optional[_Union[WeightUpdate, _Mapping]] = ..., heartbeat_timeout_s: _Optional[float] = ..., run_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class SubscribeWeightUpdatesRequest(_message.Message):
-    __slots__ = ("sampler_id", "weight_version")
+    __slots__ = ("sampler_id", "weight_version", "session")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     weight_version: int
-    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class AckWeightVersionRequest(_message.Message):
-    __slots__ = ("sampler_id", "weight_version", "error", "load_s")
+    __slots__ = ("sampler_id", "weight_version", "error", "load_s", "session")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     weight_version: int
     error: str
     load_s: float
-    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., error: _Optional[str] = ..., load_s: _Optional[float] = ...) -> None: ...
+    session: str
+    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., error: _Optional[str] = ..., load_s: _Optional[float] = ..., session: _Optional[str] = ...) -> None: ...
 
 class AckWeightVersionResponse(_message.Message):
     __slots__ = ("published_version", "sync_complete")
@@ -282,20 +288,22 @@ class AckWeightVersionResponse(_message.Message):
     def __init__(self, published_version: _Optional[int] = ..., sync_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("sampler_id", "weight_version", "num_inflight_tasks", "num_rollouts", "num_tokens", "busy_s")
+    __slots__ = ("sampler_id", "weight_version", "num_inflight_tasks", "num_rollouts", "num_tokens", "busy_s", "session")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_TASKS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     weight_version: int
     num_inflight_tasks: int
     num_rollouts: int
     num_tokens: int
     busy_s: float
-    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., num_inflight_tasks: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...
+    session: str
+    def __init__(self, sampler_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., num_inflight_tasks: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("published_version", "health")
@@ -306,14 +314,16 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, published_version: _Optional[int] = ..., health: _Optional[_Union[SamplerHealth, str]] = ...) -> None: ...
 
 class LeaveFleetRequest(_message.Message):
-    __slots__ = ("sampler_id", "done", "reason")
+    __slots__ = ("sampler_id", "done", "reason", "session")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     done: bool
     reason: str
-    def __init__(self, sampler_id: _Optional[str] = ..., done: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, sampler_id: _Optional[str] = ..., done: _Optional[bool] = ..., reason: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class LeaveFleetResponse(_message.Message):
     __slots__ = ("tasks_reissued", "health")

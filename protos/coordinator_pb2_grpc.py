@@ -246,8 +246,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TriggerSync(self, request, context):
-        """Anyone: manual sync. Queued; the trainer's next ReportStep answers publish = true with reason
-        "manual: <reason>" (several pending triggers are answered together: "manual: a; b").
+        """The operator (write token only): manual sync. Queued; the trainer's next ReportStep answers publish = true
+        with reason "manual: <reason>" (several pending triggers are answered together: "manual: a; b").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

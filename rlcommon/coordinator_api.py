@@ -6,8 +6,10 @@ coordinator/ build or read protobuf messages (tests/unit/test_layers.py keeps it
 and credentials are rlcommon/rpc.py's clients; each call keeps their retry rule (`retry=False`: one try).
 
     Coordinator        blocking: report_step, mark_batch_complete, report_batch_progress, announce_published,
-                       status, syncs, fleet
-    AsyncCoordinator   asyncio (a sampler): register, weight_updates, ack_weight_version, heartbeat, leave_fleet
+                       status, syncs, fleet; `from_config` sends the trainer's token (role trainer)
+    AsyncCoordinator   asyncio (a sampler): register, weight_updates, ack_weight_version, heartbeat, leave_fleet;
+                       `from_config` sends the samplers' token (role sampler), and every call after `register`
+                       carries the session that registration was given (protos/coordinator.proto)
 
 The dataclasses hold what callers read; the RPC reference is protos/coordinator.proto.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protos import coordinator_pb2 as pb
-from rlcommon.rpc import AsyncCoordinatorClient, CoordinatorClient
+from rlcommon.rpc import SAMPLER, TRAINER, AsyncCoordinatorClient, CoordinatorClient
 
 __all__ = [
     "HEALTHY",
@@ -175,8 +177,10 @@ class Coordinator:
         self.client = client
 
     @classmethod
-    def from_config(cls, coordinator: Any, **kwargs: Any) -> Coordinator:
-        return cls(CoordinatorClient.from_config(coordinator, **kwargs))
+    def from_config(cls, coordinator: Any, *, role: str | None = TRAINER, **kwargs: Any) -> Coordinator:
+        """Over a client with `role`'s token (rlcommon.rpc.token_for: the trainer's unless told; None: the
+        operator's write token)."""
+        return cls(CoordinatorClient.from_config(coordinator, role=role, **kwargs))
 
     def report_step(self, *, step: int, batch_id: int, weight_version: int, stats: Mapping[str, float],
                     rollouts_by_sampler: Mapping[str, int] | None = None) -> StepAnswer:
@@ -243,22 +247,29 @@ class AsyncCoordinator:
 
     def __init__(self, client: AsyncCoordinatorClient) -> None:
         self.client = client
+        self.sessions: dict[str, str] = {}
+        """The session of each sampler id's last registration here, which its later calls carry."""
 
     @classmethod
-    def from_config(cls, coordinator: Any, **kwargs: Any) -> AsyncCoordinator:
-        return cls(AsyncCoordinatorClient.from_config(coordinator, **kwargs))
+    def from_config(cls, coordinator: Any, *, role: str | None = SAMPLER, **kwargs: Any) -> AsyncCoordinator:
+        """Over a client with `role`'s token (rlcommon.rpc.token_for: the samplers' unless told)."""
+        return cls(AsyncCoordinatorClient.from_config(coordinator, role=role, **kwargs))
 
     async def register(self, *, sampler_id: str, weight_version: int, hostname: str, pid: int) -> Registration:
+        """Register (again): a new session for `sampler_id`, which the calls for it carry from now on (the calls
+        of an older one are refused NOT_FOUND: registering again is the way back)."""
         reply = await self.client.call("RegisterSampler", pb.RegisterSamplerRequest(
             sampler_id=sampler_id, weight_version=weight_version, hostname=hostname, pid=pid,
         ))
+        self.sessions[sampler_id] = reply.session
         return Registration(published_version=reply.published_version,
                             latest=_update(reply.latest) if reply.HasField("latest") else None)
 
     async def weight_updates(self, *, sampler_id: str, weight_version: int) -> AsyncIterator[WeightUpdate]:
         """The published versions from `weight_version` on, as they come (the stream ends when the coordinator
         goes away: the caller subscribes again)."""
-        request = pb.SubscribeWeightUpdatesRequest(sampler_id=sampler_id, weight_version=weight_version)
+        request = pb.SubscribeWeightUpdatesRequest(sampler_id=sampler_id, weight_version=weight_version,
+                                                   session=self.sessions.get(sampler_id, ""))
         async for update in self.client.stream("SubscribeWeightUpdates", request):
             yield _update(update)
 
@@ -266,6 +277,7 @@ class AsyncCoordinator:
         """The published version, as the coordinator sees it."""
         reply = await self.client.call("AckWeightVersion", pb.AckWeightVersionRequest(
             sampler_id=sampler_id, weight_version=weight_version, error=error, load_s=load_s,
+            session=self.sessions.get(sampler_id, ""),
         ))
         return reply.published_version
 
@@ -276,7 +288,7 @@ class AsyncCoordinator:
         one training task since it started (its supply is measured as rollouts per busy second)."""
         reply = await self.client.call("Heartbeat", pb.HeartbeatRequest(
             sampler_id=sampler_id, weight_version=weight_version, num_inflight_tasks=num_inflight_tasks,
-            num_rollouts=num_rollouts, num_tokens=num_tokens, busy_s=busy_s,
+            num_rollouts=num_rollouts, num_tokens=num_tokens, busy_s=busy_s, session=self.sessions.get(sampler_id, ""),
         ), timeout_s=timeout_s, retry=retry)
         return reply.published_version
 
@@ -286,7 +298,7 @@ class AsyncCoordinator:
         waits for it); `done` True, it has pushed and acked what it finished, and the coordinator serves the tasks still
         pending at it again at once. Idempotent. Returns the tasks the coordinator served again."""
         reply = await self.client.call("LeaveFleet", pb.LeaveFleetRequest(
-            sampler_id=sampler_id, done=done, reason=reason,
+            sampler_id=sampler_id, done=done, reason=reason, session=self.sessions.get(sampler_id, ""),
         ), timeout_s=timeout_s, retry=retry)
         return reply.tasks_reissued
 

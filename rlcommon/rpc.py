@@ -19,6 +19,10 @@ while the coordinator was away (DEADLINE_EXCEEDED), or that exhausted the retry 
 TLS: `tls_ca` is the PEM of the CA that signed the coordinator's certificate (or the self-signed
 certificate itself); `tls_server_name` overrides the name checked against the certificate when the address
 is not a name in it. The token travels as `authorization: Bearer <token>` metadata on every call.
+
+Tokens by role (coordinator/auth.py): `from_config(cfg.coordinator, role=...)` sends the role's own token when the
+config holds one (`token_for`): the trainer its `trainer_token`, a sampler its `sampler_token`, a reader its
+`dashboard_token`; otherwise the write token (`auth_token`), else the read-only `dashboard_token`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "APP_RETRYABLE",
+    "OPERATOR",
+    "READ",
     "READS_BUSY",
+    "ROLES",
+    "SAMPLER",
+    "TRAINER",
     "AsyncCoordinatorClient",
     "CoordinatorClient",
     "auth_metadata",
@@ -51,6 +60,7 @@ __all__ = [
     "read_pem",
     "service_config",
     "stop_waiting_on_coordinator",
+    "token_for",
 ]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -66,6 +76,19 @@ RESOURCE_EXHAUSTED from a coordinator with too many reads in flight (READS_BUSY 
 RESOURCE_EXHAUSTED for an oversized message, which a retry cannot fix)."""
 READS_BUSY = "coordinator.max_reads_in_flight"
 """Named in the details of the coordinator's RESOURCE_EXHAUSTED for too many reads in flight."""
+
+OPERATOR, TRAINER, SAMPLER, READ = "operator", "trainer", "sampler", "read"
+ROLES = (OPERATOR, TRAINER, SAMPLER, READ)
+"""Who calls the coordinator, each with a token of its own (coordinator/auth.py)."""
+_OWN_TOKEN = {OPERATOR: "auth_token", TRAINER: "trainer_token", SAMPLER: "sampler_token", READ: "dashboard_token"}
+
+
+def token_for(coordinator: Any, role: str | None = None) -> str | None:
+    """The token a client of `role` (None: the operator) sends, from a `CoordinatorConfig`: its role's own token when
+    set; else the write token (auth_token: a role token left unset means that role needs it); else the read-only
+    dashboard_token (reads only); else None."""
+    own = getattr(coordinator, _OWN_TOKEN[role or OPERATOR], None)
+    return own or coordinator.auth_token or getattr(coordinator, "dashboard_token", None) or None
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -177,11 +200,12 @@ class _Client:
         self._options = channel_options(wait_for_ready=wait_for_ready, tls_server_name=tls_server_name)
 
     @classmethod
-    def from_config(cls, coordinator: Any, *, address: str | None = None, **kwargs: Any):
-        """A client of the coordinator a `CoordinatorConfig` names (address unless given, token, TLS)."""
+    def from_config(cls, coordinator: Any, *, address: str | None = None, role: str | None = None, **kwargs: Any):
+        """A client of the coordinator a `CoordinatorConfig` names (address unless given, TLS), with the token of
+        `role` (`token_for`; None: the operator's write token, else the read-only one)."""
         return cls(
             address or coordinator.dial_address,
-            token=coordinator.auth_token or getattr(coordinator, "dashboard_token", None),
+            token=token_for(coordinator, role),
             tls_ca=coordinator.tls_ca,
             tls_server_name=coordinator.tls_server_name,
             **kwargs,

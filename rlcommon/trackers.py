@@ -26,7 +26,8 @@ __all__ = ["Tracker", "open_trackers", "public_config", "run_name"]
 
 logger = logging.getLogger(__name__)
 
-SECRET_KEYS = {("coordinator", "auth_token"), ("coordinator", "dashboard_token"), ("redis", "password")}
+SECRET_KEYS = {("coordinator", "auth_token"), ("coordinator", "dashboard_token"), ("coordinator", "sampler_token"),
+               ("coordinator", "trainer_token"), ("redis", "password")}
 
 
 class Tracker(Protocol):

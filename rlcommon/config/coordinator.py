@@ -77,14 +77,25 @@ class CoordinatorConfig(StrictModel):
     """Equal read calls within this many seconds share one answer (any accepted state change makes the next
     read fresh); 0 = only calls in flight together share."""
 
-    # Auth: the server and the dashboard check these tokens; clients send auth_token.
+    # Auth: the server and the dashboard check these tokens; each client sends its role's (rlcommon/rpc.py
+    # token_for: its own token when set, else auth_token, else dashboard_token). coordinator/auth.py has the roles.
     auth_token: str | None = None
-    """The run's write token: with it set, every Coordinator call needs metadata `authorization: Bearer <token>`
-    (this token, or dashboard_token on the read-only calls). gRPC health and reflection stay open."""
+    """The run's write token (role operator: dlcctl, the launcher): with it set, every Coordinator call needs
+    metadata `authorization: Bearer <token>` with one of these tokens, and this one may make every call. gRPC health
+    and reflection stay open."""
     dashboard_token: str | None = None
-    """A read-only token: the dashboard's page and API and the coordinator's read calls (GetStatus, GetBatchPlan,
-    ...) accept it; it can change nothing. The page only ever holds this one. With auth_token set and this unset,
-    the launcher makes one for the run."""
+    """A read-only token (role read): the dashboard's page and API and the coordinator's read calls (GetStatus,
+    GetBatchPlan, ...) accept it; it can change nothing. The page only ever holds this one. With auth_token set and
+    this unset, the launcher makes one for the run."""
+    sampler_token: str | None = None
+    """The samplers' token (role sampler, one for every sampler): RegisterSampler, SubscribeWeightUpdates,
+    AckWeightVersion, Heartbeat, LeaveFleet only, each after registering for the session of its own sampler id; no
+    read, no trainer call, no TriggerSync. Unset: the samplers need auth_token. With auth_token set and this unset,
+    the launcher makes one for the run (compose and Swarm require it)."""
+    trainer_token: str | None = None
+    """The trainer's token (role trainer): MarkBatchComplete, ReportBatchProgress, ReportStep, AnnouncePublished and
+    the reads; no sampler call, no TriggerSync. Unset: the trainer needs auth_token. With auth_token set and this
+    unset, the launcher makes one for the run (compose and Swarm require it)."""
 
     # TLS: tls_cert and tls_key are the server's (and the dashboard's); tls_ca and tls_server_name only clients read.
     tls_cert: str | None = None
@@ -121,6 +132,17 @@ class CoordinatorConfig(StrictModel):
         if self.dashboard_token and self.dashboard_token == self.auth_token:
             raise ValueError("coordinator.dashboard_token must differ from coordinator.auth_token: it is the "
                              "read-only token, and a page or read-only user holding it must not be able to write")
+        return self
+
+    @model_validator(mode="after")
+    def _role_tokens_differ(self) -> CoordinatorConfig:
+        keys = ("auth_token", "dashboard_token", "trainer_token", "sampler_token")
+        for i, first in enumerate(keys):
+            for second in keys[i + 1:]:
+                value = getattr(self, second)
+                if value and value == getattr(self, first):
+                    raise ValueError(f"coordinator.{second} must differ from coordinator.{first}: each role's token "
+                                     "grants that role's calls only")
         return self
 
     @model_validator(mode="after")

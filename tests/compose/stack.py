@@ -36,6 +36,8 @@ class Stack:
             **os.environ,
             "DLC_TOKEN": secrets.token_hex(24),
             "DLC_DASHBOARD_TOKEN": secrets.token_hex(24),
+            "DLC_TRAINER_TOKEN": secrets.token_hex(24),
+            "DLC_SAMPLER_TOKEN": secrets.token_hex(24),
             "DLC_REDIS_COORDINATOR_PASSWORD": secrets.token_hex(24),
             "DLC_REDIS_TRAINER_PASSWORD": secrets.token_hex(24),
             "DLC_REDIS_SAMPLER_PASSWORD": secrets.token_hex(24),

@@ -29,8 +29,8 @@ COMPOSE_SETS = {  # what a user deploys, and the variables each needs besides th
     "worker": (["docker-compose.worker.yml"], {"DLC_HEAD": "10.0.0.5"}),
     "swarm": (["docker-stack.yml"], {}),
 }
-SECRETS = ("dlc_token", "dlc_dashboard_token", "redis_coordinator_password", "redis_trainer_password",
-           "redis_sampler_password")
+SECRETS = ("dlc_token", "dlc_dashboard_token", "dlc_trainer_token", "dlc_sampler_token", "redis_coordinator_password",
+           "redis_trainer_password", "redis_sampler_password")
 PLACEMENTS = {  # NVIDIA_VISIBLE_DEVICES as the NVIDIA runtime sets it -> (trainer, samplers) or an error
     "one GPU: the trainer and one sampler share it": ({"NVIDIA_VISIBLE_DEVICES": "3"}, 1, {}, ("0", ["0"])),
     "one GPU: a second sampler is refused": ({"NVIDIA_VISIBLE_DEVICES": "3"}, 2, {}, "held by other sampler"),

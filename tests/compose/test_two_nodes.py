@@ -27,8 +27,9 @@ HEAD_FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "tests/compose/doc
 WORKER_FILES = ["docker-compose.worker.yml", "docker-compose.worker.cpu.yml",
                 "tests/compose/docker-compose.worker.test.yml"]
 STEPS = 70
-SECRETS = ("DLC_TOKEN", "DLC_DASHBOARD_TOKEN", "DLC_REDIS_SAMPLER_PASSWORD")
-"""What a worker is given of the head's secrets (not the coordinator's or the trainer's Redis passwords)."""
+SECRETS = ("DLC_SAMPLER_TOKEN", "DLC_DASHBOARD_TOKEN", "DLC_REDIS_SAMPLER_PASSWORD")
+"""What a worker is given of the head's secrets (not the write token, the trainer's token, or the coordinator's or
+the trainer's Redis passwords)."""
 VERIFY = ("import glob, json, sys; from rlcommon.weight_store import load_version; "
           "[print(json.dumps([load_version(p).weight_version, load_version(p).sha256])) "
           "for p in sorted(glob.glob('/home/dlc/run/fetched/*/v*'))]")

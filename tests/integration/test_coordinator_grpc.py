@@ -128,9 +128,9 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
 class Subscription:
     """A SubscribeWeightUpdates stream read on a thread into a queue."""
 
-    def __init__(self, stub, sampler_id: str, weight_version: int, metadata=()) -> None:
+    def __init__(self, stub, sampler_id: str, weight_version: int, metadata=(), session: str = "") -> None:
         self.call = stub.SubscribeWeightUpdates(
-            pb.SubscribeWeightUpdatesRequest(sampler_id=sampler_id, weight_version=weight_version),
+            pb.SubscribeWeightUpdatesRequest(sampler_id=sampler_id, weight_version=weight_version, session=session),
             metadata=metadata,
         )
         self.updates: queue.Queue = queue.Queue()
@@ -931,6 +931,229 @@ def test_reads_in_flight_are_bounded_and_heartbeats_go_first(start_server):
 def test_the_read_token_must_differ_from_the_write_token():
     with pytest.raises(ValueError, match="dashboard_token must differ from coordinator.auth_token"):
         make_config(auth_token=TOKEN, dashboard_token=TOKEN)
+
+
+# ------------------------------------------------------------------------- roles (issue 45 item 2)
+
+SAMPLER_TOKEN, TRAINER_TOKEN = "samplers-token", "trainer-token"
+ROLE_TOKENS = {"operator": TOKEN, "trainer": TRAINER_TOKEN, "sampler": SAMPLER_TOKEN, "read": READ_TOKEN}
+SAMPLER_CALLS = ("RegisterSampler", "SubscribeWeightUpdates", "AckWeightVersion", "Heartbeat", "LeaveFleet")
+TRAINER_CALLS = ("MarkBatchComplete", "ReportBatchProgress", "ReportStep", "AnnouncePublished")
+READ_CALLS = ("GetStatus", "ListSamplers", "ListSyncs", "GetBatchPlan", "ListBatches", "ListEvals")
+ALLOWED = {
+    **{call: {"operator", "sampler"} for call in SAMPLER_CALLS},
+    **{call: {"operator", "trainer"} for call in TRAINER_CALLS},
+    **{call: {"operator", "trainer", "read"} for call in READ_CALLS},
+    "TriggerSync": {"operator"},
+}
+"""The roles whose token each Coordinator RPC takes (coordinator/server.py METHOD_ROLES)."""
+
+
+def start_with_roles(start_server, **settings) -> Harness:
+    return start_server(sync_policy="never", auth_token=TOKEN, dashboard_token=READ_TOKEN,
+                        sampler_token=SAMPLER_TOKEN, trainer_token=TRAINER_TOKEN, **settings)
+
+
+def call_as(harness: Harness, role: str, call: str, sampler_id: str, session: str = "") -> object:
+    """One call of `call` with `role`'s token, a valid request of the plan B = G = 2 (for sampler `sampler_id`, with
+    `session`); returns the reply, or the RpcError (SubscribeWeightUpdates: its stream's, or the stream once the
+    coordinator counts it open)."""
+    stub, metadata = harness.stub, auth(ROLE_TOKENS[role])
+    requests = {
+        "RegisterSampler": pb.RegisterSamplerRequest(sampler_id=sampler_id, hostname="h", pid=1),
+        "AckWeightVersion": pb.AckWeightVersionRequest(sampler_id=sampler_id, weight_version=0, session=session),
+        "Heartbeat": pb.HeartbeatRequest(sampler_id=sampler_id, weight_version=0, session=session),
+        "LeaveFleet": pb.LeaveFleetRequest(sampler_id=sampler_id, done=False, reason="test", session=session),
+        "MarkBatchComplete": pb.MarkBatchCompleteRequest(batch_id=0),
+        "ReportBatchProgress": pb.ReportBatchProgressRequest(batch_id=1, filled_slots=[0]),
+        "ReportStep": pb.ReportStepRequest(step=0, batch_id=0, stats={"reward_mean": 0.5}),
+        "AnnouncePublished": pb.AnnouncePublishedRequest(weight_version=1, path="/w/v000001", sha256=SHA, step=0),
+        "GetStatus": pb.GetStatusRequest(), "ListSamplers": pb.ListSamplersRequest(),
+        "ListSyncs": pb.ListSyncsRequest(), "GetBatchPlan": pb.GetBatchPlanRequest(batch_id=0),
+        "ListBatches": pb.ListBatchesRequest(), "ListEvals": pb.ListEvalsRequest(),
+        "TriggerSync": pb.TriggerSyncRequest(reason=f"by {role}"),
+    }
+    if call == "SubscribeWeightUpdates":
+        sub = Subscription(stub, sampler_id, 0, metadata=metadata, session=session)
+        try:
+            opened = lambda: sub.error or any(  # noqa: E731
+                s.subscribed for s in stub.ListSamplers(pb.ListSamplersRequest(), metadata=auth()).samplers
+                if s.sampler_id == sampler_id)
+            wait_until(opened)
+            return sub.error or sub
+        finally:
+            sub.cancel()
+    try:
+        return getattr(stub, call)(requests[call], metadata=metadata)
+    except grpc.RpcError as err:
+        return err
+
+
+def test_every_call_takes_the_tokens_of_its_roles_only(start_server):
+    """Call by call, every RPC with each role's token: the roles allowed succeed, the others are PERMISSION_DENIED
+    with a message naming the call and the role. The samplers' token makes only the samplers' calls (each with the
+    session of its registration): it cannot publish, report steps or batches, trigger syncs, or read; the trainer's
+    makes the trainer's calls and the reads; the read-only token reads; the write token does everything."""
+    assert set(ALLOWED) == set(pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name)  # every RPC
+    harness = start_with_roles(start_server)
+    for role in ("operator", "trainer", "sampler", "read"):  # the operator first: it publishes version 1
+        sampler_id, session = f"s-{role}", ""
+        for call in ALLOWED:  # RegisterSampler first, LeaveFleet last of the sampler calls (dict order)
+            reply = call_as(harness, role, call, sampler_id, session)
+            if role in ALLOWED[call]:
+                assert not isinstance(reply, grpc.RpcError), (role, call, reply)
+                if call == "RegisterSampler":
+                    session = reply.session
+            else:
+                assert isinstance(reply, grpc.RpcError), (role, call)
+                assert reply.code() == grpc.StatusCode.PERMISSION_DENIED, (role, call, reply.code())
+                assert reply.details().startswith(f"{call}: ") and f"role {role}" in reply.details(), reply.details()
+            if role == "sampler" and call == "RegisterSampler":
+                assert session, "a registration answers a session"
+    status = harness.stub.GetStatus(pb.GetStatusRequest(), metadata=auth())
+    assert sorted(s.sampler_id for s in status.samplers) == ["s-operator", "s-sampler"]  # no other role registered
+    assert list(status.pending_manual_triggers) == ["by operator"]  # the trainer's and the others' were refused
+
+
+def test_the_samplers_token_cannot_publish_report_or_trigger(start_server):
+    """What one compromised or buggy sampler could do with the write token, and cannot with the samplers' token:
+    announce a version nobody has (the run would halt), report steps or batches, trigger a sync. Each is refused
+    with PERMISSION_DENIED naming the call and the role, and changes nothing."""
+    harness = start_with_roles(start_server)
+    stub, sampler = harness.stub, auth(SAMPLER_TOKEN)
+    before = stub.GetStatus(pb.GetStatusRequest(), metadata=auth())
+    for call, request in [
+        (stub.AnnouncePublished, pb.AnnouncePublishedRequest(weight_version=99, path="/nowhere", sha256=SHA, step=0)),
+        (stub.ReportStep, pb.ReportStepRequest(step=0, batch_id=0, stats={"ess_lag": 0.1})),
+        (stub.TriggerSync, pb.TriggerSyncRequest(reason="sampler wants a sync")),
+        (stub.ReportBatchProgress, pb.ReportBatchProgressRequest(batch_id=0, filled_slots=[0])),
+        (stub.MarkBatchComplete, pb.MarkBatchCompleteRequest(batch_id=0)),
+    ]:
+        err = rpc_error(call, request, metadata=sampler)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err
+        assert "the samplers' token (sampler_token, role sampler) may not make this call" in err.details()
+        assert "operator's write token" in err.details()
+    after = stub.GetStatus(pb.GetStatusRequest(), metadata=auth())
+    assert (after.published_version, after.trainer_version, list(after.pending_manual_triggers), after.batches) == (
+        before.published_version, before.trainer_version, [], before.batches)
+    assert after.num_syncs == 0
+    # Its own calls work (with its registration's session).
+    session = stub.RegisterSampler(pb.RegisterSamplerRequest(sampler_id="s0"), metadata=sampler).session
+    assert stub.Heartbeat(pb.HeartbeatRequest(sampler_id="s0", session=session), metadata=sampler).health == \
+        pb.SAMPLER_HEALTHY
+
+
+def test_a_samplers_token_call_acts_only_for_the_sampler_its_session_registered(start_server):
+    """The samplers share one token; each registration is given a session, and a call with that token for a
+    sampler id must carry the id's current session: another sampler's session is PERMISSION_DENIED, none is too,
+    an old one (the sampler registered again since: a restart) is NOT_FOUND, which makes a sampler register again.
+    Nothing of the other sampler changes. The write token is not bound. Only the session's sha256 is stored."""
+    harness = start_with_roles(start_server)
+    stub, sampler = harness.stub, auth(SAMPLER_TOKEN)
+    a = stub.RegisterSampler(pb.RegisterSamplerRequest(sampler_id="a", hostname="ha", pid=1), metadata=sampler)
+    b = stub.RegisterSampler(pb.RegisterSamplerRequest(sampler_id="b", hostname="hb", pid=2), metadata=sampler)
+    assert len({a.session, b.session}) == 2 and len(a.session) >= 40
+    impersonations = [
+        (stub.Heartbeat, pb.HeartbeatRequest(sampler_id="a", weight_version=0, num_inflight_tasks=9)),
+        (stub.AckWeightVersion, pb.AckWeightVersionRequest(sampler_id="a", weight_version=0, error="forged")),
+        (stub.LeaveFleet, pb.LeaveFleetRequest(sampler_id="a", done=True, reason="forged")),
+    ]
+    for call, request in impersonations:
+        request.session = b.session  # b's own session, for a's id
+        err = rpc_error(call, request, metadata=sampler)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "given to sampler 'b', not 'a'" in err.details(), err
+        request.session = ""  # none
+        err = rpc_error(call, request, metadata=sampler)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "must carry the session" in err.details(), err
+        request.session = "made-up"  # not a session of any registration
+        err = rpc_error(call, request, metadata=sampler)
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "call RegisterSampler again" in err.details(), err
+    sub = Subscription(stub, "a", 0, metadata=sampler, session=b.session)
+    sub.thread.join(5)
+    assert sub.error is not None and sub.error.code() == grpc.StatusCode.PERMISSION_DENIED
+    [view] = [s for s in stub.ListSamplers(pb.ListSamplersRequest(), metadata=auth()).samplers if s.sampler_id == "a"]
+    assert (view.health, view.num_inflight_tasks, view.subscribed) == (pb.SAMPLER_HEALTHY, 0, False)  # untouched
+    # Its own session works for each call.
+    assert stub.Heartbeat(pb.HeartbeatRequest(sampler_id="a", num_inflight_tasks=1, session=a.session),
+                          metadata=sampler).health == pb.SAMPLER_HEALTHY
+    stub.AckWeightVersion(pb.AckWeightVersionRequest(sampler_id="a", weight_version=0, session=a.session),
+                          metadata=sampler)
+    # A restart registers again: a new session; the old one is NOT_FOUND (register again), the new one works.
+    again = stub.RegisterSampler(pb.RegisterSamplerRequest(sampler_id="a", hostname="ha", pid=3), metadata=sampler)
+    assert again.session != a.session
+    err = rpc_error(stub.Heartbeat, pb.HeartbeatRequest(sampler_id="a", session=a.session), metadata=sampler)
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    stub.Heartbeat(pb.HeartbeatRequest(sampler_id="a", session=again.session), metadata=sampler)
+    # The write token (the operator) is not bound to a session.
+    stub.Heartbeat(pb.HeartbeatRequest(sampler_id="b"), metadata=auth())
+    # Redis holds the session's digest, never the session (the samplers' Redis user cannot read it anyway).
+    stored = harness.conn.client.hget(harness.coordinator.store.key("samplers"), "a")
+    assert json.loads(stored)["session_sha256"] and again.session.encode() not in stored
+    # Sessions survive a coordinator restart (the registry is in Redis).
+    harness.stop()
+    second = start_with_roles(start_server)
+    assert second.stub.Heartbeat(pb.HeartbeatRequest(sampler_id="a", session=again.session),
+                                 metadata=sampler).health == pb.SAMPLER_HEALTHY
+    err = rpc_error(second.stub.Heartbeat, pb.HeartbeatRequest(sampler_id="a", session=b.session), metadata=sampler)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_the_typed_clients_send_their_roles_token_and_the_samplers_session(start_server):
+    """rlcommon.coordinator_api from a service's config that holds its role's token only: the trainer's
+    `Coordinator.from_config` makes the trainer's calls and reads; a sampler's `AsyncCoordinator.from_config`
+    registers, follows the weight updates, heartbeats, acks and leaves with the session it was given, and
+    registering again (a coordinator that forgot it, a restart) moves to the new session."""
+    from rlcommon import coordinator_api as api
+
+    harness = start_with_roles(start_server)
+    trainer_cfg = load_config(RunConfig, [], {"coordinator": {
+        "address": harness.address, "trainer_token": TRAINER_TOKEN}}).coordinator
+    sampler_cfg = load_config(RunConfig, [], {"coordinator": {
+        "address": harness.address, "sampler_token": SAMPLER_TOKEN, "dashboard_token": READ_TOKEN}}).coordinator
+    trainer = api.Coordinator.from_config(trainer_cfg, max_wait_s=5)
+    try:
+        trainer.mark_batch_complete(0)
+        assert not trainer.report_step(step=0, batch_id=0, weight_version=0, stats={"reward_mean": 0.5}).publish
+        assert len(trainer.planned_prompts(1)) == B and trainer.status().trainer_version == 0
+        trainer.announce_published(weight_version=1, path="/w/v000001", sha256=SHA, step=0, reason="test")
+        with pytest.raises(grpc.RpcError) as err:  # the trainer's token has no sampler call
+            trainer.client.call("Heartbeat", pb.HeartbeatRequest(sampler_id="x"), retry=False)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        trainer.close()
+
+    async def sampler_side() -> list[object]:
+        sampler = api.AsyncCoordinator.from_config(sampler_cfg, max_wait_s=5)
+        try:
+            registration = await sampler.register(sampler_id="typed", weight_version=0, hostname="h", pid=1)
+            first = sampler.sessions["typed"]
+            update = await anext(sampler.weight_updates(sampler_id="typed", weight_version=0))
+            published = await sampler.ack_weight_version(sampler_id="typed", weight_version=1, error="", load_s=0.1)
+            beat = await sampler.heartbeat(sampler_id="typed", weight_version=1, num_inflight_tasks=0, num_rollouts=0,
+                                           num_tokens=0)
+            await sampler.register(sampler_id="typed", weight_version=1, hostname="h", pid=1)
+            assert sampler.sessions["typed"] != first
+            left = await sampler.leave_fleet(sampler_id="typed", done=True, reason="test")
+            with pytest.raises(grpc.RpcError) as err:  # the samplers' token reads nothing
+                await sampler.client.call("GetStatus", pb.GetStatusRequest(), retry=False)
+            return [registration.published_version, update.weight_version, published, beat, left, err.value.code()]
+        finally:
+            await sampler.close()
+
+    assert asyncio.run(sampler_side()) == [1, 1, 1, 1, 0, grpc.StatusCode.PERMISSION_DENIED]
+    [view] = harness.stub.ListSamplers(pb.ListSamplersRequest(), metadata=auth(READ_TOKEN)).samplers
+    assert (view.sampler_id, view.weight_version, view.health) == ("typed", 1, pb.SAMPLER_LEFT)
+
+
+def test_role_tokens_without_the_write_token_are_refused_at_start(redis_url):
+    """Without auth_token the coordinator checks no token: role tokens there would limit nothing."""
+    from coordinator.server import CoordinatorServer
+
+    for role_token in ({"sampler_token": SAMPLER_TOKEN}, {"trainer_token": TRAINER_TOKEN}):
+        with pytest.raises(ValueError, match="coordinator.auth_token is not"):
+            asyncio.run(CoordinatorServer(make_config(**role_token), coordinator=None).start())
+    with pytest.raises(ValueError, match="sampler_token must differ from coordinator.trainer_token"):
+        make_config(auth_token=TOKEN, sampler_token="same", trainer_token="same")
 
 
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")

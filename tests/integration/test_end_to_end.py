@@ -1,6 +1,7 @@
 """The real stack end to end: redis-server, coordinator, one vLLM CPU sampler and the trainer as
 processes, started by the launcher's own code. An ESS threshold of 0.99 forces syncs within a step or
-two, so the run exercises publish -> broadcast -> reload -> ack -> rollouts of the new version."""
+two, so the run exercises publish -> broadcast -> reload -> ack -> rollouts of the new version. With a write token
+set, as a deployment has: each service calls the coordinator with its role's token only (coordinator/auth.py)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ from rlcommon.metrics import read_jsonl
 from tests.integration.stacks import scrape, stack_config
 
 STEPS = 8
+WRITE_TOKEN = "e2e-write-token-0123456789"
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]  # slow: its module fixture starts a stack, an engine or ranks first
 
 
 def dlcctl(stack, *args: str) -> dict:
+    """`dlcctl --json ARGS` with the run's read-only token (what a read-only operator holds)."""
     from coordinator.dlcctl import main as dlcctl_main
 
     out, err = io.StringIO(), io.StringIO()
-    code = dlcctl_main(["--address", stack.address, "--json", *args], out=out, err=err)
+    code = dlcctl_main(["--address", stack.address, "--token", stack.dashboard_token, "--json", *args], out=out,
+                       err=err)
     assert code == 0, err.getvalue()
     return json.loads(out.getvalue())
 
@@ -36,6 +40,7 @@ def finished_run(tmp_path_factory):
         "--coordinator.max_inflight_batches=1",
         "--trainer.lr=2e-3",
         "--trainer.checkpoint_every=3",  # checkpoints inside the run (steps 3, 6), not only the last step's
+        f"--coordinator.auth_token={WRITE_TOKEN}",  # the launcher makes the other roles' tokens
     ])
     live: dict = {"prometheus": {}, "redis_client_users": set()}
 
@@ -46,6 +51,8 @@ def finished_run(tmp_path_factory):
         live["syncs"] = dlcctl(stack, "syncs")
         live["prometheus"].update({name: scrape(stack.log_dir / f"{name}.log") for name in ("coordinator", "sampler-0")})
         live["redis_urls"] = {"admin": stack.redis_url, **{name: spec.env["DLC_REDIS__URL"] for name, spec in stack.specs.items()}}
+        live["tokens"] = {name: {k: v for k, v in spec.env.items() if k.startswith("DLC_COORDINATOR__") and
+                                 k.endswith("TOKEN")} for name, spec in stack.specs.items()}
 
     def on_progress(stack, rows):
         with redis.Redis.from_url(stack.redis_url) as admin:  # who is logged in to Redis, as which user
@@ -171,6 +178,26 @@ def test_each_service_used_its_own_redis_user_and_no_password_leaked(finished_ru
     for path in texts:
         content = path.read_bytes()
         assert not any(password in content for password in passwords), f"{path} holds a redis password"
+
+
+def test_each_service_called_the_coordinator_with_its_roles_token_only(finished_run):
+    """Issue 45 item 2: the run trained (above) with the samplers on a sampler token and the trainer on a trainer
+    token the launcher made, neither holding the write token; no call was refused."""
+    tokens = finished_run["live"]["tokens"]
+    sampler, trainer = tokens["sampler-0"]["DLC_COORDINATOR__SAMPLER_TOKEN"], tokens["trainer"]["DLC_COORDINATOR__TRAINER_TOKEN"]
+    assert len({sampler, trainer, WRITE_TOKEN}) == 3 and "none" not in (sampler, trainer)
+    assert tokens["sampler-0"]["DLC_COORDINATOR__AUTH_TOKEN"] == tokens["trainer"]["DLC_COORDINATOR__AUTH_TOKEN"] == "none"
+    assert tokens["sampler-0"]["DLC_COORDINATOR__TRAINER_TOKEN"] == tokens["trainer"]["DLC_COORDINATOR__SAMPLER_TOKEN"] == "none"
+    assert (tokens["coordinator"]["DLC_COORDINATOR__SAMPLER_TOKEN"], tokens["coordinator"]["DLC_COORDINATOR__TRAINER_TOKEN"]) == (
+        sampler, trainer)
+    logs = finished_run["run_dir"] / "logs"
+    coordinator_log = (logs / "coordinator.log").read_text()
+    assert "tokens required: operator, read, sampler, trainer" in coordinator_log
+    assert "rejected " not in coordinator_log  # no call refused (the interceptor logs each refusal)
+    for name in ("sampler-0", "trainer"):
+        log = (logs / f"{name}.log").read_text()
+        assert "PERMISSION_DENIED" not in log and "UNAUTHENTICATED" not in log, name
+        assert WRITE_TOKEN not in log
 
 
 def test_make_run_again_on_the_finished_folder_says_so_before_starting_anything(finished_run):

@@ -227,9 +227,87 @@ def test_no_port_is_published_beyond_this_host(stack):
             assert host == "127.0.0.1", f"{name}: port {port} is published on every interface"
 
 
-def test_the_coordinator_token_is_required():
-    for name in ("coordinator", "trainer", "sampler"):
-        assert REQUIRED.fullmatch(BASE["services"][name]["environment"]["DLC_COORDINATOR__AUTH_TOKEN"]), name
+WORKER = merge(load("docker-compose.worker.yml"), load("docker-compose.worker.cpu.yml"))
+TOKEN_VARIABLES = {"DLC_TOKEN": "auth_token", "DLC_TRAINER_TOKEN": "trainer_token", "DLC_SAMPLER_TOKEN": "sampler_token",
+                   "DLC_DASHBOARD_TOKEN": "dashboard_token"}
+"""The compose variable of each coordinator token (coordinator/auth.py roles) -> its coordinator.* key."""
+HELD_TOKENS = {
+    "coordinator": {"DLC_TOKEN", "DLC_TRAINER_TOKEN", "DLC_SAMPLER_TOKEN", "DLC_DASHBOARD_TOKEN"},
+    "trainer": {"DLC_TRAINER_TOKEN"},
+    "sampler": {"DLC_SAMPLER_TOKEN"},
+    "weights": {"DLC_DASHBOARD_TOKEN"},
+}
+"""Which coordinator tokens each service of docker-compose.yml holds: its role's only (least privilege)."""
+
+
+def tokens_held(service: dict) -> set[str]:
+    """The token variables a service's environment takes (each must be required: `${VAR:?message}`)."""
+    held = set()
+    for key, value in (service.get("environment") or {}).items():
+        for match in re.finditer(r"\$\{(\w+)", str(value)):
+            if match.group(1) in TOKEN_VARIABLES:
+                held.add(match.group(1))
+                assert REQUIRED.fullmatch(str(value)), f"{key}: {value} is not a required variable"
+                assert "openssl rand" in str(value) or "head's" in str(value), f"{key}: its message says not how"
+    return held
+
+
+@pytest.mark.parametrize(("stack", "expected"), [
+    (BASE, HELD_TOKENS), (CPU, HELD_TOKENS),
+    (WORKER, {"sampler": {"DLC_SAMPLER_TOKEN", "DLC_DASHBOARD_TOKEN"}}),  # the dashboard token: the weight server's
+], ids=["gpu", "cpu", "worker"])
+def test_each_service_holds_its_roles_coordinator_token_only(stack, expected, monkeypatch):
+    """Issue 45 item 2: a sampler holds neither the write token nor the trainer's, the trainer not the write token,
+    the weight server only the read-only one; only the coordinator holds them all. Each is required (`up` refuses
+    to start without it), and the service's config holds exactly those tokens."""
+    held = {name: tokens_held(service) for name, service in stack["services"].items()}
+    assert {name: tokens for name, tokens in held.items() if tokens} == expected
+    for name, service in stack["services"].items():
+        if (service.get("command") or [None])[0] != "python":
+            continue
+        for key in list(os.environ):
+            if key.startswith("DLC_"):
+                monkeypatch.delenv(key)
+        for key, value in (service.get("environment") or {}).items():
+            monkeypatch.setenv(key, substitute(str(value)))
+        ccfg = load_config(RunConfig, [REPO / "configs/default.toml"], use_env=True).coordinator
+        tokens = {key: getattr(ccfg, key) for key in TOKEN_VARIABLES.values()}
+        assert tokens == {key: required_value(variable) if variable in held[name] else None
+                          for variable, key in TOKEN_VARIABLES.items()}, name
+
+
+def test_the_launcher_gives_each_service_its_roles_token_only(tmp_path):
+    """As compose does (`make run` with coordinator.auth_token set): the samplers get a sampler token and the trainer a
+    trainer token made for the run, each `none` for every other token (config.toml holds auth_token); the trainer's
+    other nodes none at all; the coordinator every token."""
+    from launcher.processes import RoleTokens, role_tokens_for, service_specs
+
+    cfg = load_config(RunConfig, [REPO / "configs/default.toml"],
+                      ["--num_samplers=2", "--coordinator.auth_token=write-0123", "--trainer.parallel.nodes=2",
+                       "--trainer.parallel.dp_shard=2", "--trainer.parallel.rendezvous=127.0.0.1:29400",
+                       "--sampler.weight_transfer=http"])
+    made = role_tokens_for(cfg.coordinator)
+    assert made.sampler and made.trainer and len({made.sampler, made.trainer, "write-0123"}) == 3
+    assert role_tokens_for(cfg.coordinator) != made  # new per run
+    specs = service_specs(cfg=cfg, config_path=tmp_path / "config.toml", redis_url="redis://127.0.0.1:1/0",
+                          model_dir="/models/tiny", coordinator_port=50051, dashboard_token="read-0123",
+                          weights_port=8091, role_tokens=made)
+    tokens = {spec.name: {key.removeprefix("DLC_COORDINATOR__"): value for key, value in spec.env.items()
+                          if key.startswith("DLC_COORDINATOR__") and key.endswith("TOKEN")} for spec in specs}
+    nothing = {"AUTH_TOKEN": "none", "DASHBOARD_TOKEN": "none", "SAMPLER_TOKEN": "none", "TRAINER_TOKEN": "none"}
+    assert tokens == {
+        "coordinator": {"AUTH_TOKEN": "write-0123", "DASHBOARD_TOKEN": "read-0123", "SAMPLER_TOKEN": made.sampler,
+                        "TRAINER_TOKEN": made.trainer},
+        "weights": {**nothing, "DASHBOARD_TOKEN": "read-0123"},
+        "sampler-0": {**nothing, "SAMPLER_TOKEN": made.sampler, "DASHBOARD_TOKEN": "read-0123"},  # the weight server's
+        "sampler-1": {**nothing, "SAMPLER_TOKEN": made.sampler, "DASHBOARD_TOKEN": "read-0123"},
+        "trainer": {**nothing, "TRAINER_TOKEN": made.trainer},
+        "trainer-node-1": nothing,
+    }
+    configured = load_config(RunConfig, [], ["--coordinator.auth_token=w", "--coordinator.sampler_token=s",
+                                             "--coordinator.trainer_token=t"]).coordinator
+    assert role_tokens_for(configured) == RoleTokens(sampler="s", trainer="t")
+    assert role_tokens_for(load_config(RunConfig, []).coordinator) == RoleTokens(sampler=None, trainer=None)
 
 
 def test_redis_requires_auth_with_the_rules_of_redis_acl():

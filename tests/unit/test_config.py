@@ -219,6 +219,32 @@ def test_a_secret_comes_from_a_file_named_by_a_file_variable(tmp_path, monkeypat
         env_overrides({"DLC_COORDINATOR__AUTH_TOKEN_FILE": str(tmp_path / "missing")})
 
 
+def test_the_role_tokens_are_read_as_the_other_tokens_and_all_must_differ(tmp_path, monkeypatch):
+    """coordinator.sampler_token / trainer_token (coordinator/auth.py roles): from DLC_COORDINATOR__*_TOKEN or its
+    _FILE, `none` unsets one, redacted in messages; two roles with one token are refused, naming both keys."""
+    from rlcommon.config import ConfigError, RunConfig, env_overrides, load_config
+    from rlcommon.config.loading import REDACTED, redact
+
+    secret = tmp_path / "sampler_token"
+    secret.write_text("samp-0123\n")
+    environ = {"DLC_COORDINATOR__SAMPLER_TOKEN_FILE": str(secret), "DLC_COORDINATOR__TRAINER_TOKEN": "train-0123"}
+    assert env_overrides(environ) == {"coordinator": {"sampler_token": "samp-0123", "trainer_token": "train-0123"}}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    ccfg = load_config(RunConfig, [], ["--coordinator.auth_token=write-0123"], use_env=True).coordinator
+    assert (ccfg.sampler_token, ccfg.trainer_token) == ("samp-0123", "train-0123")
+    monkeypatch.setenv("DLC_COORDINATOR__TRAINER_TOKEN", "none")
+    assert load_config(RunConfig, [], [], use_env=True).coordinator.trainer_token is None
+    assert redact({"sampler_token": "s", "trainer_token": "t"}) == {"sampler_token": REDACTED, "trainer_token": REDACTED}
+    keys = ["auth_token", "dashboard_token", "trainer_token", "sampler_token"]
+    for i, first in enumerate(keys):
+        for second in keys[i + 1:]:
+            with pytest.raises(ConfigError) as err:
+                load_config(RunConfig, [], [f"--coordinator.{first}=same-s3cret", f"--coordinator.{second}=same-s3cret"])
+            assert f"{second} must differ from coordinator.{first}" in str(err.value), str(err.value)
+            assert "same-s3cret" not in str(err.value)
+
+
 def test_a_bad_config_never_shows_a_secret_in_its_message(monkeypatch):
     """Config errors reach logs and terminals: the tokens, passwords and a URL's password stay out of them."""
     token, password = "tok-3f9a1c7e5b", "pw-8d2e6b4a1f"

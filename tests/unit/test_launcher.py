@@ -203,7 +203,16 @@ def test_the_dashboard_url_carries_a_read_only_token_never_the_write_token(tmp_p
         specs = service_specs(cfg=cfg, config_path=tmp_path / "c.toml", redis_url="redis://x:1/0", model_dir="/m",
                               coordinator_port=1, dashboard_port=2, dashboard_token=read)
         tokens = {s.name: s.env.get("DLC_COORDINATOR__DASHBOARD_TOKEN") for s in specs}
-        assert tokens == {"coordinator": read, "sampler-0": None, "trainer": None}
+        assert tokens == {"coordinator": read, "sampler-0": "none", "trainer": "none"}  # `none`: not config.toml's
+        # The samplers and the trainer get a token of their role made for the run, never the write token.
+        roles = stack.role_tokens
+        assert roles.sampler and roles.trainer and len({roles.sampler, roles.trainer, read, write}) == 4
+        specs = {s.name: s.env for s in service_specs(cfg=cfg, config_path=tmp_path / "c.toml",
+                                                      redis_url="redis://x:1/0", model_dir="/m", coordinator_port=1,
+                                                      role_tokens=roles)}
+        assert specs["sampler-0"]["DLC_COORDINATOR__SAMPLER_TOKEN"] == roles.sampler
+        assert specs["trainer"]["DLC_COORDINATOR__TRAINER_TOKEN"] == roles.trainer
+        assert all(write not in env.values() for name, env in specs.items() if name != "coordinator")
     finally:
         stack.client.close()
     configured = LocalStack(RunConfig(run_dir=str(tmp_path), coordinator={"auth_token": write,

@@ -20,8 +20,19 @@ from rlcommon.redis_acl import SERVICE_USERS
 from tests.unit.redis_service import first_write, run_entrypoint, start_redis_service
 
 REPO = Path(__file__).resolve().parents[2]
-SECRETS = ["dlc_token", "dlc_dashboard_token", "redis_coordinator_password", "redis_trainer_password",
-           "redis_sampler_password"]
+SECRETS = ["dlc_token", "dlc_dashboard_token", "dlc_trainer_token", "dlc_sampler_token", "redis_coordinator_password",
+           "redis_trainer_password", "redis_sampler_password"]
+TOKEN_SECRETS = {"dlc_token": "auth_token", "dlc_dashboard_token": "dashboard_token",
+                 "dlc_trainer_token": "trainer_token", "dlc_sampler_token": "sampler_token"}
+"""The coordinator's tokens (coordinator/auth.py roles) -> their coordinator.* keys."""
+HELD_TOKENS = {
+    "coordinator": set(TOKEN_SECRETS),
+    "trainer": {"dlc_trainer_token"},
+    "sampler": {"dlc_sampler_token", "dlc_dashboard_token"},  # the read-only one: what the weight server checks
+    "weights": {"dlc_dashboard_token"},
+    "redis": set(),
+}
+"""Which coordinator tokens each service of the stack mounts: its role's only (least privilege)."""
 
 
 def merge(base, extra):
@@ -89,10 +100,16 @@ def test_each_services_secret_files_are_mounted_and_its_config_is_valid(stack, m
             if name in SERVICE_USERS:
                 assert cfg.redis.url == f"redis://{name}@redis:6379/0"
                 assert cfg.redis.password == f"secret-of-redis_{name}_password"
-                assert cfg.coordinator.auth_token == "secret-of-dlc_token"
-            if name == "weights":  # the read-only token only
-                assert cfg.coordinator.auth_token is None and "dlc_token" not in mounted  # `none`
-                assert cfg.coordinator.dashboard_token == "secret-of-dlc_dashboard_token"
+            # Each service's config holds the tokens it mounts, and no other (the weight server's auth_token `none`).
+            assert {key: getattr(cfg.coordinator, key) for key in TOKEN_SECRETS.values()} == {
+                key: f"secret-of-{secret}" if secret in mounted else None for secret, key in TOKEN_SECRETS.items()}, name
+
+
+def test_each_service_mounts_its_roles_coordinator_token_only():
+    """Issue 45 item 2: a sampler mounts neither the write token nor the trainer's, the trainer not the write
+    token (nor the read-only one: its own token reads), the weight server the read-only one only."""
+    held = {name: set(secret_targets(service)) & set(TOKEN_SECRETS) for name, service in STACK["services"].items()}
+    assert held == HELD_TOKENS
 
 
 def test_samplers_mount_no_shared_volume_and_fetch_weights_over_http():
@@ -203,7 +220,7 @@ def test_make_secrets_writes_private_random_files_and_keeps_existing_ones(tmp_pa
     out = subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(folder)], capture_output=True, text=True,
                          check=True).stdout
     values = {name: (folder / name).read_text() for name in SECRETS}
-    assert all(re.fullmatch(r"[0-9a-f]{48}", v) for v in values.values()) and len(set(values.values())) == 5
+    assert all(re.fullmatch(r"[0-9a-f]{48}", v) for v in values.values()) and len(set(values.values())) == len(SECRETS)
     assert folder.stat().st_mode & 0o777 == 0o700
     assert all((folder / n).stat().st_mode & 0o777 == 0o600 for n in SECRETS)
     assert not any(v in out for v in values.values())  # names only, never a value

@@ -16,6 +16,7 @@ from rlcommon.metrics import MetricsSink, read_jsonl
 from rlcommon.trackers import open_trackers, public_config, run_name
 
 TOKEN, READ_TOKEN, REDIS_PASSWORD = "write-token-s3cret", "read-token-s3cret", "redis-pw-s3cret"
+SAMPLER_TOKEN, TRAINER_TOKEN = "sampler-token-s3cret", "trainer-token-s3cret"
 ROWS = [{"reward_mean": 0.25 + 0.1 * i, "ess_lag": 0.9 - 0.2 * i, "publish": i == 1, "sync_reason": "x"}
         for i in range(3)]
 
@@ -25,6 +26,7 @@ def tracked_config(run_dir: Path, *backends: str) -> RunConfig:
         f"--run_dir={run_dir}", "--bus.run_id=track1", f"--tracking.backends={','.join(backends)}",
         "--tracking.wandb_mode=offline", "--tracking.project=dlc-test",
         f"--coordinator.auth_token={TOKEN}", f"--coordinator.dashboard_token={READ_TOKEN}",
+        f"--coordinator.sampler_token={SAMPLER_TOKEN}", f"--coordinator.trainer_token={TRAINER_TOKEN}",
         f"--redis.url=redis://trainer:{REDIS_PASSWORD}@127.0.0.1:6379/0",
     ])
 
@@ -46,6 +48,7 @@ def test_the_public_config_holds_no_secret(tmp_path):
     cfg = tracked_config(tmp_path, "wandb")
     text = json.dumps(public_config(cfg))
     assert TOKEN not in text and READ_TOKEN not in text and REDIS_PASSWORD not in text
+    assert SAMPLER_TOKEN not in text and TRAINER_TOKEN not in text
     assert public_config(cfg)["trainer"]["method"] == cfg.trainer.method
     assert run_name(cfg) == tmp_path.name
 
@@ -115,6 +118,7 @@ def test_wandb_offline_writes_its_run_folder_with_the_rows_of_metrics_jsonl(tmp_
     assert json.loads(config["bus"])["run_id"] == "track1"
     config_text = json.dumps(config)
     assert TOKEN not in config_text and READ_TOKEN not in config_text and REDIS_PASSWORD not in config_text
+    assert SAMPLER_TOKEN not in config_text and TRAINER_TOKEN not in config_text
 
 
 def test_trackio_local_writes_its_database_with_the_rows_of_metrics_jsonl(tmp_path, monkeypatch):
