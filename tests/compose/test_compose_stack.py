@@ -96,6 +96,11 @@ def test_two_sampler_replicas_train_together(stack):
         return set(states.values()) == {"healthy"}
 
     stack.wait("every sampler, the trainer and the coordinator healthy", all_healthy, timeout=120)
+    # Least privilege, as the engine ran them: no capability, no privilege gained, no root.
+    for c in stack.client.containers.list(filters={"label": f"com.docker.compose.project={stack.project}"}):
+        host = c.attrs["HostConfig"]
+        assert host["CapDrop"] == ["ALL"] and "no-new-privileges:true" in (host["SecurityOpt"] or []), c.name
+        assert c.attrs["Config"]["User"] not in ("", "root", "0"), c.name
 
 
 def test_dlcctl_from_the_host_agrees_with_the_trainer(stack):

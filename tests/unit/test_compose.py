@@ -421,3 +421,15 @@ def test_the_launcher_gives_each_service_its_own_redis_user(tmp_path):
     assert {spec.name: spec.env["DLC_REDIS__URL"] for spec in specs} == {
         "coordinator": urls["coordinator"], "sampler-0": urls["sampler"], "sampler-1": urls["sampler"],
         "trainer": urls["trainer"]}
+
+
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"],
+                                   ["docker-compose.worker.yml", "docker-compose.worker.cpu.yml"],
+                                   ["docker-compose.trainer-node.yml", "docker-compose.trainer-node.cpu.yml"]])
+def test_every_container_drops_every_capability_and_gains_no_privilege(files):
+    stack = load(files[0])
+    for extra in files[1:]:
+        stack = merge(stack, load(extra))
+    for name, service in stack["services"].items():
+        assert service.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
