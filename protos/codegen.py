@@ -41,6 +41,30 @@ def _fix_imports(path: Path) -> None:
         path.write_text(fixed)
 
 
+def pinned(package: str) -> str | None:
+    """The version docker/constraints.txt pins `package` to (what the images install), None if unpinned."""
+    constraints = REPO / "docker" / "constraints.txt"
+    if not constraints.is_file():
+        return None
+    found = re.search(rf"^{re.escape(package)}==([\w.]+)\s*$", constraints.read_text(), flags=re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def _grpc_stamp_at_most_pinned(path: Path) -> None:
+    """The generated gRPC module refuses a grpcio older than the grpcio-tools that wrote it (its
+    GRPC_GENERATED_VERSION): a developer's newer grpcio-tools would break the images, which pin grpcio. The stamp is
+    lowered to the images' pin (the code itself does not change between patch releases)."""
+    pin = pinned("grpcio")
+    text = path.read_text()
+    found = re.search(r"^GRPC_GENERATED_VERSION = '([\w.]+)'$", text, flags=re.MULTILINE)
+    if pin and found and _version(found.group(1)) > _version(pin):
+        path.write_text(text.replace(found.group(0), f"GRPC_GENERATED_VERSION = '{pin}'"))
+
+
 def generate(out_dir: Path) -> list[Path]:
     """Run protoc for every proto into `out_dir/protos/`; returns the written files."""
     try:
@@ -69,6 +93,8 @@ def generate(out_dir: Path) -> list[Path]:
     for path in written:
         assert path.is_file(), f"protoc did not write {path}"
         _fix_imports(path)
+        if path.name.endswith("_pb2_grpc.py"):
+            _grpc_stamp_at_most_pinned(path)
     return written
 
 

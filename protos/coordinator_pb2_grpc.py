@@ -5,7 +5,7 @@ import warnings
 
 from protos import coordinator_pb2 as protos_dot_coordinator__pb2
 
-GRPC_GENERATED_VERSION = '1.85.4'
+GRPC_GENERATED_VERSION = '1.85.3'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
