@@ -46,11 +46,26 @@ def _whole_weights(train_step: TrainStep) -> dict[str, Any] | None:
     return state or None
 
 
+def _read_back(train_step: TrainStep, *, weight_version: int, folder: str) -> None:
+    """Hold a version this trainer published before it restarted from its folder (verified against its manifest
+    first): every rank reads the folder (the run's storage is shared) and keeps its own shards of it."""
+    from safetensors.torch import load_file
+
+    from rlcommon.weight_store import load_version
+
+    published = load_version(folder, expected_version=weight_version)
+    whole: dict[str, Any] = {}
+    for path in sorted(Path(published.path).glob("*.safetensors")):
+        whole.update(load_file(str(path)))
+    train_step.snapshots.keep_read_back(weight_version, train_step.model, whole, step=train_step.step)
+
+
 OPERATIONS: dict[str, Callable[..., Any]] = {
     "train": lambda ts, *, rollouts: ts.train_on(rollouts),
     "whole_weights": _whole_weights,
     "keep": lambda ts, *, weight_version: ts.mark_published(weight_version),
     "release": lambda ts, *, min_version: ts.snapshots.release_below(min_version),
+    "read_back": _read_back,
     "ping": lambda ts: None,  # rank 0 idle: the others' wait stays below the collective timeout (service.py)
 }
 """The operations that need only the TrainStep; `checkpoint` and `stop` are the Ranks' own (its writer)."""

@@ -381,6 +381,21 @@ class TrainerService:
             logger.warning("dead-lettering %d rollouts: %s", len(items), reason)
             self.consumer.reject(items, reason=reason)
 
+    def read_back_versions_ahead(self, batch_id: int, rollouts: list[Rollout]) -> None:
+        """A replaying trainer (restarted from a checkpoint) may be handed rollouts of a version it published before
+        the restart and has not published again yet: Redis lost the first rollouts of the batch (it came back
+        empty), and the samplers sampled the re-issued slots at the version they serve now. Such a version is read
+        back from its published folder (kept for a replaying trainer: trainer_svc/retention.py)."""
+        snapshots = self.train_step.snapshots
+        ahead = sorted({v for r in rollouts for v in r.versions
+                        if v > self.train_step.weight_version and not snapshots.is_kept(v)})
+        for version in ahead:
+            folder = version_folder(self.cfg.publish_dir, version)
+            logger.warning("batch %d holds rollouts of weight version %d, which this trainer published before it "
+                           "restarted and has not published again yet: its weights read back from %s", batch_id,
+                           version, folder)
+            self.ranks.do("read_back", weight_version=version, folder=str(folder))
+
     def prompt_problem(self, rollout: Rollout) -> str | None:
         """Why a rollout's prompt is not the one its slot was planned with, or None: a sampler cannot put
         training data of its own choosing into a slot (every rollout is checked, the first for a slot too)."""
@@ -461,6 +476,7 @@ class TrainerService:
         with self.stages.stage("mark_complete"):
             self.coordinator.mark_batch_complete(batch_id, num_rollouts=len(rollouts))
         with self.stages.stage("train"):
+            self.read_back_versions_ahead(batch_id, rollouts)
             result = self.ranks.do("train", rollouts=rollouts)
         delay_s = step_delay_for_tests_s()
         if delay_s > 0:  # tests only (never set otherwise): a slower trainer, its own work, so busy time, not wait

@@ -60,6 +60,8 @@ class VersionSnapshots:
         """LM-head chunk of the no-grad forwards (see `chunked_head_logprobs`)."""
         self._weights: dict[int, dict[str, Tensor]] = {}
         self._published_step: dict[int, int] = {}
+        self._read_back: set[int] = set()
+        """Versions held from their published folders (`keep_read_back`), until the replay publishes them again."""
         self.live_version: int | None = None
         """The version whose weights the model holds right now (None once it stepped past it)."""
 
@@ -72,21 +74,48 @@ class VersionSnapshots:
 
     @property
     def latest_version(self) -> int | None:
-        return max(self._weights) if self._weights else None
+        """The newest version this trainer published (kept by `keep`; not one read back from its folder)."""
+        return max((v for v in self._weights if v not in self._read_back), default=None)
 
     def published_step(self, version: int) -> int:
         """Trainer step at which `version` was kept."""
         return self._published_step[version]
 
     def keep(self, version: int, model: nn.Module, *, step: int = 0) -> None:
-        """Copy the model's current weights as `version` (published at trainer `step`); the model is now live."""
+        """Copy the model's current weights as `version` (published at trainer `step`); the model is now live. A
+        version held from its folder (`keep_read_back`) is replaced."""
+        if version in self._read_back:
+            self._read_back.discard(version)
+            del self._weights[version], self._published_step[version]
         if version in self._weights:
             raise ValueError(f"weight version {version} is already kept")
-        if self._weights and version < max(self._weights):
-            raise ValueError(f"weight version {version} is older than the kept version {max(self._weights)}")
+        own = [v for v in self._weights if v not in self._read_back]
+        if own and version < max(own):
+            raise ValueError(f"weight version {version} is older than the kept version {max(own)}")
         self._weights[version] = self.copy_of(model)
         self._published_step[version] = step
         self.live_version = version
+
+    def keep_read_back(self, version: int, model: nn.Module, whole: Mapping[str, Tensor], *, step: int) -> None:
+        """Hold `version` from its published weights (`whole`: name -> whole tensor, e.g. read from its folder),
+        laid out as the model's own (cast to their dtype, sharded as they are). For a trainer that replays steps
+        after a restart and is handed rollouts of a version it had published before it (sampled again after Redis
+        lost the first ones) but has not published again yet. Every rank calls it (sharding is a collective)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if version in self._weights:
+            return
+        weights = {}
+        for name, live in distinct_weights(model).items():
+            if name not in whole:
+                raise MissingVersionError(f"weight version {version}'s published weights lack {name}")
+            tensor = whole[name].to(dtype=live.dtype)
+            if isinstance(live, DTensor):
+                tensor = distribute_tensor(tensor.to(live.device), live.device_mesh, live.placements)
+            weights[name] = tensor.detach().to(self.storage_device)
+        self._weights[version] = weights
+        self._published_step[version] = step
+        self._read_back.add(version)
 
     def copy_of(self, model: nn.Module) -> dict[str, Tensor]:
         """A copy of `distinct_weights(model)` on the storage device: what `keep` holds for a version (sharded
@@ -103,6 +132,7 @@ class VersionSnapshots:
         for version in dropped:
             del self._weights[version]
             del self._published_step[version]
+            self._read_back.discard(version)
         return sorted(dropped)
 
     def is_live(self, version: int) -> bool:
@@ -209,13 +239,16 @@ class VersionSnapshots:
     # ------------------------------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds: the versions this trainer published (not those read back from folders)."""
+        own = [v for v in self._weights if v not in self._read_back]
         return {
             "live_version": self.live_version,
-            "published_step": dict(self._published_step),
-            "weights": {version: dict(weights) for version, weights in self._weights.items()},
+            "published_step": {v: self._published_step[v] for v in own},
+            "weights": {version: dict(self._weights[version]) for version in own},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._read_back = set()
         self.live_version = state["live_version"]
         self._published_step = {int(v): int(s) for v, s in state["published_step"].items()}
         self._weights = {

@@ -425,3 +425,32 @@ def test_bad_chunk_size_is_refused():
     with pytest.raises(ValueError, match="chunk_tokens"):
         chunked_head_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), None, torch.zeros(2, 1, dtype=torch.long),
                               torch.ones(2), chunk_tokens=0)
+
+
+def test_a_version_read_back_from_its_weights_serves_its_logprobs_until_published_again(tied):
+    """A replaying trainer handed rollouts of a version it published before its restart holds that version from
+    its published weights (`keep_read_back`, cast to the model's dtype): it does not become the trainer's version,
+    a checkpoint leaves it out, and publishing it again replaces it."""
+    model = tiny_model(tied=tied)
+    batch = build_batch(make_rollouts(weight_versions=(0, 0, 0, 0)))
+    future = copy.deepcopy(model)
+    _sgd_step(future)  # version 3 as published before the restart (whole tensors, here in bfloat16 on disk)
+    published = {name: t.detach().to(torch.bfloat16) for name, t in distinct_weights(future).items()}
+    snapshots = VersionSnapshots()
+    snapshots.keep(0, model, step=0)
+    snapshots.keep_read_back(3, model, published, step=0)
+    assert snapshots.latest_version == 0 and snapshots.is_kept(3) and snapshots.versions == [0, 3]
+    assert list(snapshots.state_dict()["weights"]) == [0]
+    reference = copy.deepcopy(future)
+    with torch.no_grad():
+        for name, tensor in distinct_weights(reference).items():
+            tensor.copy_(published[name].to(tensor.dtype))
+    torch.testing.assert_close(snapshots.logprobs_at(3, batch, model=model).logp,
+                               batch_logprobs(reference, batch, with_topk=False).logp.detach(), rtol=1e-6, atol=1e-6)
+    _sgd_step(model)
+    snapshots.model_changed()
+    snapshots.keep(1, model, step=1)  # the replay publishes older versions first: not refused
+    snapshots.keep(3, model, step=3)  # and this one again: its own weights replace what was read back
+    assert snapshots.latest_version == 3 and list(snapshots.state_dict()["weights"]) == [0, 1, 3]
+    with pytest.raises(MissingVersionError, match="lack"):
+        snapshots.keep_read_back(5, model, {}, step=3)
