@@ -451,9 +451,10 @@ class TrainerService:
         # steps after the checkpoint re-creates it before any batch that holds this rollout is trained.
         if rollout.batch_id < self.next_batch_id:
             return None  # an already trained batch: dropped as a duplicate
-        problem = self.prompt_problem(rollout)
-        if problem is not None:
-            return problem
+        return self.version_problem(rollout, versions, spans) or self.prompt_problem(rollout)  # the RPC last
+
+    def version_problem(self, rollout: Rollout, versions: tuple[int, ...], spans: str) -> str | None:
+        """Why the versions of a rollout of a batch still to train cannot be trained (kept, lag cap), or None."""
         snapshots = self.train_step.snapshots
         released = [v for v in versions if v <= self.train_step.weight_version and not snapshots.is_kept(v)]
         if released:

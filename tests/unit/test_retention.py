@@ -163,7 +163,7 @@ def test_the_trainer_refuses_a_superseded_rollout_past_the_cap_and_trains_the_re
     versions (an in-flight weight update) is trained only when every one of them would be, the lag cap binding on
     its oldest."""
     from rlcommon.config import RunConfig, load_config
-    from rlcommon.plan_ids import slot_rollout_id
+    from rlcommon.plan_ids import prompt_digest, slot_rollout_id
     from tests.unit.trainer_helpers import make_rollouts, tiny_model
     from trainer_svc.service import TrainerService
     from trainer_svc.step import TrainStep
@@ -179,6 +179,9 @@ def test_the_trainer_refuses_a_superseded_rollout_past_the_cap_and_trains_the_re
     service = TrainerService(cfg)
     service.train_step, service.next_batch_id, service.planned_batches, service.published_version = train_step, 8, 12, 2
 
+    planned = make_rollouts(num_groups=1, weight_version=0)[0].prompt_ids  # every batch's group 0 (no coordinator)
+    service.planned_prompts = {batch_id: (prompt_digest(planned),) for batch_id in range(12)}
+
     def problem(version: int, batch_id: int) -> str | None:
         rollout = dataclasses.replace(make_rollouts(num_groups=1, weight_version=version)[0], batch_id=batch_id,
                                       rollout_id=slot_rollout_id(batch_id, 0, 0))
@@ -190,6 +193,10 @@ def test_the_trainer_refuses_a_superseded_rollout_past_the_cap_and_trains_the_re
     assert problem(2, 11) is None
     assert problem(0, 8) == "weight_version 0 is no longer kept by the trainer"
     assert problem(1, 3) is None  # an already trained batch: dropped as a duplicate, not refused
+    other = dataclasses.replace(make_rollouts(num_groups=1, weight_version=2)[0], batch_id=11,
+                                rollout_id=slot_rollout_id(11, 0, 0), prompt_ids=planned[::-1].copy())
+    assert service.rollout_problem(other, horizon=12).startswith(
+        "prompt_ids: not the prompt planned for batch 11 group 0 (sha256 ")
 
     # A response sampled across in-flight weight updates: every version must pass; the lag cap binds on the oldest.
     def spanning(versions: tuple[int, ...], batch_id: int) -> str | None:
