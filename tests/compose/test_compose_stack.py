@@ -212,7 +212,11 @@ def test_a_killed_sampler_is_replaced_and_nothing_is_lost(stack):
     print(f"{victim.name}: restarts {victim.attrs['RestartCount']}, status {victim.attrs['State']['Status']}")
 
     # 3. A scale-down (what `docker compose stop` / `--scale sampler=1` send: SIGTERM to PID 1) while it holds tasks:
-    # it drains and leaves; nothing waits for an idle claim, and the run goes on with the survivor.
+    # it drains and leaves; nothing waits for an idle claim, and the run goes on with the survivor. First the
+    # restarted process itself must be up (its third start): until its heartbeats time out, the coordinator still
+    # shows the killed one's registration, healthy, and a stop while vLLM starts takes as long as the start.
+    stack.wait(f"{victim_id}'s restarted process ready", lambda: victim.logs().decode(errors="replace").count(
+        "sampler ready: taking tasks") >= 3, timeout=600)
     stack.wait(f"{victim_id} holding tasks", lambda: stack.pending_by_consumer().get(victim_id, 0) > 0, timeout=120, every=0.2)
     t0 = time.time()
     victim.stop(timeout=30)  # docker stop: SIGTERM to PID 1, SIGKILL after the grace period
