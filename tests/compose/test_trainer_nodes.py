@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from benchmarks.trainer_ranks import GLOO_ABORT
 from tests.compose.stack import REPO, Stack
 
 pytestmark = pytest.mark.compose
@@ -147,16 +148,26 @@ def test_the_same_steps_give_the_same_weights_on_one_node_and_on_two(nodes):
     rank in it and one in the trainer node's, meeting over the cluster network."""
     head, node = nodes
     bench = ["python", "-m", "benchmarks.trainer_nodes", "--steps", "4"]
-    one = head.compose("run", "--rm", "--no-deps", "trainer", *bench, "--role", "one-node", "--ranks", "2",
-                       "--out", "/tmp/one.json", timeout=900)
+    for _attempt in (1, 2):  # one more try only after a rank's C++ abort with no Python error (GLOO_ABORT)
+        one = head.compose("run", "--rm", "--no-deps", "trainer", *bench, "--role", "one-node", "--ranks", "2",
+                           "--out", "/tmp/one.json", timeout=900, check=False)
+        if one.returncode == 0 or GLOO_ABORT not in (one.stdout or "") + (one.stderr or ""):
+            break
+    assert one.returncode == 0, (one.stderr or "")[-4000:]
     one_node = json.loads(one.stdout.strip().splitlines()[-1])
     cmd = ["docker", "compose", "-p", node.project, *(a for f in node.files for a in ("-f", f)), "run", "--rm",
            "trainer-node", *bench, "--role", "node", "--rendezvous", "trainer-head:29400", "--out", "/tmp/node.json"]
-    follower = subprocess.Popen(cmd, cwd=REPO, env=node.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    two = head.compose("run", "--rm", "--no-deps", "--use-aliases", "trainer", *bench, "--role", "head",
-                       "--rendezvous", "trainer-head:29400", "--out", "/tmp/head.json", timeout=900)
-    follower_out, _ = follower.communicate(timeout=300)
+    for attempt in (1, 2):
+        follower = subprocess.Popen(cmd, cwd=REPO, env=node.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+        two = head.compose("run", "--rm", "--no-deps", "--use-aliases", "trainer", *bench, "--role", "head",
+                           "--rendezvous", "trainer-head:29400", "--out", "/tmp/head.json", timeout=900, check=False)
+        follower_out, _ = follower.communicate(timeout=300)
+        failed = two.returncode != 0 or follower.returncode != 0
+        if not failed or attempt == 2 or GLOO_ABORT not in follower_out + (two.stdout or "") + (two.stderr or ""):
+            break
+        print(f"a rank aborted in C++ ({GLOO_ABORT!r}) without a Python error: running the two nodes again")
+    assert two.returncode == 0, (two.stderr or "")[-4000:]
     assert follower.returncode == 0, follower_out[-4000:]
     two_nodes = json.loads(two.stdout.strip().splitlines()[-1])
     print(f"one node x 2 ranks: {one_node}\ntwo nodes x 1 rank: {two_nodes}")
