@@ -138,9 +138,9 @@ def launch(parallel: ParallelConfig, *, run_id: str, module_argv: list[str], mod
                      "this node?", parallel.rendezvous, type(err).__name__, err, port)
         return 1
     except ChildFailedError as err:
-        first = err.get_first_failure()[1]
+        rank, first = err.get_first_failure()
         logger.error("trainer ranks failed, the group's restarts spent (trainer.parallel.max_restarts = %d): rank %d "
-                     "exited with %s", parallel.max_restarts, first.rank, first.exitcode)
+                     "exited with %s", parallel.max_restarts, rank, first.exitcode)
         return 1
     return 0
 

@@ -237,3 +237,20 @@ def test_a_rendezvous_host_that_does_not_resolve_is_a_clear_error(caplog) -> Non
     parallel = ParallelConfig(dp_shard=2, nodes=2, head=False, rendezvous="no-such-host.invalid:29400")
     assert launch(parallel, run_id="r", module_argv=[]) == 1
     assert "cannot find a route to no-such-host.invalid from this node" in caplog.text
+
+
+def test_ranks_that_fail_past_their_restarts_are_a_clear_error(caplog, monkeypatch) -> None:
+    """torchrun's ChildFailedError (a rank's C++ abort, no Python error) ends the agent with exit 1 and a line that
+    names the rank and its exit code, not an AttributeError out of the handler."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from trainer_svc.nodes import launch
+
+    def failed(_args) -> None:
+        raise ChildFailedError("trainer_svc", {1: ProcessFailure(local_rank=0, pid=1234, exitcode=-6, error_file="")})
+
+    monkeypatch.setattr(torch.distributed.run, "run", failed)
+    parallel = ParallelConfig(dp_shard=2, nodes=2, head=False, rendezvous="127.0.0.1:29400", max_restarts=0)
+    assert launch(parallel, run_id="r", module_argv=[]) == 1
+    assert "the group's restarts spent (trainer.parallel.max_restarts = 0): rank 1 exited with -6" in caplog.text
