@@ -15,7 +15,7 @@ protos/coordinator.proto, enums by name, int64 as numbers). `--address` (env DLC
 coordinator every command needs one; the read-only DLC_DASHBOARD_TOKEN serves all but `sync`),
 `--tls-ca` (env DLC_TLS_CA: CA or server certificate PEM; enables TLS), `--tls-server-name` (env
 DLC_TLS_SERVER_NAME: the name to check in the certificate when the address is not in it). Inside a compose service, the
-service's DLC_COORDINATOR__ADDRESS / DLC_COORDINATOR__AUTH_TOKEN serve when those are unset, and each token
+service's DLC_COORDINATOR__ADDRESS / DLC_COORDINATOR__AUTH_TOKEN / DLC_COORDINATOR__TLS_CA serve when those are unset, and each token
 variable may be given as NAME_FILE, a file holding it (in a swarm service: `docker exec <coordinator> dlcctl status`).
 Exit code 1 on an RPC error, 2 on a usage error. Also runnable as `python -m coordinator.dlcctl`.
 """
@@ -473,8 +473,10 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
     address = (
         getattr(args, "address", None) or _env("DLC_ADDRESS", "DLC_COORDINATOR__ADDRESS") or DEFAULT_ADDRESS
     )
-    tls_ca = getattr(args, "tls_ca", None) or os.environ.get("DLC_TLS_CA") or None
-    tls_server_name = getattr(args, "tls_server_name", None) or os.environ.get("DLC_TLS_SERVER_NAME") or None
+    tls_ca = getattr(args, "tls_ca", None) or _env("DLC_TLS_CA", "DLC_COORDINATOR__TLS_CA")
+    tls_server_name = getattr(args, "tls_server_name", None) or _env(
+        "DLC_TLS_SERVER_NAME", "DLC_COORDINATOR__TLS_SERVER_NAME"
+    )
     token = getattr(args, "token", None) or _secret(
         "DLC_TOKEN", "DLC_COORDINATOR__AUTH_TOKEN", "DLC_DASHBOARD_TOKEN", "DLC_COORDINATOR__DASHBOARD_TOKEN"
     )

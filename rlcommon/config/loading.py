@@ -152,6 +152,11 @@ def read_secret_file(variable: str, path: str) -> str:
     trailing newline; a file that cannot be read is a ConfigError naming the variable."""
     try:
         return Path(path).read_text().removesuffix("\n")
+    except PermissionError as err:
+        raise ConfigError(
+            f"{variable}: cannot read the secret file {path!r}: {err.strerror or err} (compose mounts a secret file "
+            "with its owner and mode on the host: docker/make-secrets.sh makes them mode 444 in a folder of mode 700; "
+            "run it again on that folder)") from None
     except OSError as err:
         raise ConfigError(f"{variable}: cannot read the secret file {path!r}: {err.strerror or err}") from None
 

@@ -3,12 +3,14 @@ lifecycle, the Docker SDK for inspection and faults, dlcctl from the host, the r
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
-import secrets
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,13 +21,45 @@ from launcher.processes import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "default"
+SECRET_FILES = {
+    "dlc_token": "DLC_TOKEN",
+    "dlc_dashboard_token": "DLC_DASHBOARD_TOKEN",
+    "dlc_trainer_token": "DLC_TRAINER_TOKEN",
+    "dlc_sampler_token": "DLC_SAMPLER_TOKEN",
+    "redis_coordinator_password": "DLC_REDIS_COORDINATOR_PASSWORD",
+    "redis_trainer_password": "DLC_REDIS_TRAINER_PASSWORD",
+    "redis_sampler_password": "DLC_REDIS_SAMPLER_PASSWORD",
+}
+"""docker/make-secrets.sh's files, and the variable under which the tests' own clients (dlcctl, urllib) read each
+value here on the host (never passed to a container: the compose files mount the files)."""
+
+
+def make_secrets(tls_names: tuple[str, ...] | None = None, *, copy_of: Path | None = None,
+                 only: tuple[str, ...] = ()) -> Path:
+    """A secrets folder as a user makes it: docker/make-secrets.sh (and docker/make-certs.sh with `tls_names`), or
+    copies of `only` from the folder `copy_of` (what a worker node is given of the head's). Removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="dlc-test-secrets-")) / "secrets"
+    atexit.register(shutil.rmtree, folder.parent, True)
+    if copy_of is not None:
+        folder.mkdir(mode=0o700)
+        for name in only:
+            shutil.copy(copy_of / name, folder / name)  # keeps the mode (444)
+        return folder
+    subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(folder)], check=True, capture_output=True)
+    if tls_names is not None:
+        subprocess.run(["sh", str(REPO / "docker/make-certs.sh"), str(folder), *tls_names], check=True,
+                       capture_output=True)
+    return folder
 
 
 class Stack:
     """One compose project: the `docker compose` CLI for lifecycle, the SDK for inspection and faults."""
 
-    def __init__(self, project: str, files: list[str], *, steps: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, project: str, files: list[str], *, steps: int, env: dict[str, str] | None = None,
+                 secrets: Path | None = None) -> None:
+        """`secrets`: the folder of secret files the compose files mount (default: a new make_secrets())."""
         self.project, self.files = project, files
+        self.secrets = make_secrets() if secrets is None else secrets
         try:
             self.client = docker.from_env()
             self.client.ping()
@@ -33,14 +67,10 @@ class Stack:
             pytest.fail(f"no Docker engine answers ({err}): run docker/engine.sh as root first (make compose-test does)")
         self.port, metrics, trainer_metrics, dashboard = free_ports(4)  # distinct host ports
         self.env = {
-            **os.environ,
-            "DLC_TOKEN": secrets.token_hex(24),
-            "DLC_DASHBOARD_TOKEN": secrets.token_hex(24),
-            "DLC_TRAINER_TOKEN": secrets.token_hex(24),
-            "DLC_SAMPLER_TOKEN": secrets.token_hex(24),
-            "DLC_REDIS_COORDINATOR_PASSWORD": secrets.token_hex(24),
-            "DLC_REDIS_TRAINER_PASSWORD": secrets.token_hex(24),
-            "DLC_REDIS_SAMPLER_PASSWORD": secrets.token_hex(24),
+            **{k: v for k, v in os.environ.items() if k not in SECRET_FILES.values()},
+            **{var: (self.secrets / name).read_text() for name, var in SECRET_FILES.items()
+               if (self.secrets / name).exists()},
+            "DLC_SECRETS": str(self.secrets),
             "DLC_COORDINATOR_PORT": str(self.port),
             "DLC_COORDINATOR_METRICS_PORT": str(metrics),
             "DLC_TRAINER_METRICS_PORT": str(trainer_metrics),
@@ -48,6 +78,8 @@ class Stack:
             "DLC_STEPS": str(steps),
             **(env or {}),
         }
+        if (self.secrets / "dlc_tls_ca").exists():
+            self.env["DLC_TLS_CA"] = str(self.secrets / "dlc_tls_ca")  # dlcctl from the host checks the certificate
 
     def compose(
         self, *args: str, timeout: float = 900, check: bool = True, show: bool = False
@@ -86,10 +118,13 @@ class Stack:
     def metrics_rows(self) -> list[dict]:
         return [json.loads(line) for line in self.shared_file("metrics.jsonl").splitlines() if line.strip()]
 
+    def secret_values(self) -> dict[str, str]:
+        """Every secret of the run by file name (to look for them where they must not be)."""
+        return {p.name: p.read_text() for p in self.secrets.iterdir() if p.name.startswith(("dlc_", "redis_"))}
+
     def redis_cli(self, *args: str) -> list[str]:
-        password = self.env["DLC_REDIS_COORDINATOR_PASSWORD"]
-        cmd = ["redis-cli", "--no-auth-warning", "--user", "coordinator", "--pass", password, *args]
-        code, out = self.one("redis").exec_run(cmd)
+        cmd = ["redis-cli", "--no-auth-warning", "--user", "coordinator", *args]
+        code, out = self.one("redis").exec_run(cmd, environment={"REDISCLI_AUTH": self.env["DLC_REDIS_COORDINATOR_PASSWORD"]})
         assert code == 0, out.decode()
         return out.decode().split()
 

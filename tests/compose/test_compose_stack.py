@@ -101,6 +101,9 @@ def test_two_sampler_replicas_train_together(stack):
         host = c.attrs["HostConfig"]
         assert host["CapDrop"] == ["ALL"] and "no-new-privileges:true" in (host["SecurityOpt"] or []), c.name
         assert c.attrs["Config"]["User"] not in ("", "root", "0"), c.name
+        # Secrets are files under /run/secrets (docker/make-secrets.sh), never environment variables or arguments.
+        exposed = " ".join(c.attrs["Config"]["Env"] + [c.attrs["Path"]] + c.attrs["Args"])
+        assert not [name for name, value in stack.secret_values().items() if value in exposed], c.name
 
 
 def test_dlcctl_from_the_host_agrees_with_the_trainer(stack):

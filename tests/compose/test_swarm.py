@@ -134,6 +134,7 @@ def swarm(tmp_path_factory):
     docker_cli("node", "update", "--label-add", "dlc.role=head", "--label-add", "dlc.gpu=true", node)
     secrets = tmp_path_factory.mktemp("swarm") / "secrets"
     subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(secrets)], check=True, capture_output=True)
+    subprocess.run(["sh", str(REPO / "docker/make-certs.sh"), str(secrets)], check=True, capture_output=True)
     env = {k: v for k, v in builder.env.items() if not k.startswith("DLC_")}
     env.update(DLC_SECRETS=str(secrets), DLC_STEPS=str(STEPS), DLC_SAMPLERS="2", DLC_SAMPLERS_MIN="1",
                DLC_SAMPLERS_MAX="2", DLC_AUTOSCALE_POLL_S="2")
@@ -189,7 +190,13 @@ def test_the_stack_trains_across_a_kill_a_rolling_update_and_autoscaling(swarm):
             env = "\n".join(container.attrs["Config"]["Env"])
             leaked = [name for name, value in swarm.secrets.items() if value in env]
             assert not leaked, f"{container.name}: {leaked} in its environment"
-    assert swarm.exec("autoscaler", "ls /run/secrets").split() == ["dlc_dashboard_token"]  # read-only token only
+    # The read-only token only, and the CA: the coordinator and the weight server speak TLS on an encrypted overlay.
+    assert swarm.exec("autoscaler", "ls /run/secrets").split() == ["dlc_dashboard_token", "dlc_tls_ca"]
+    [overlay] = swarm.client.networks.list(names=[f"{NAME}_dlc"])
+    assert overlay.attrs["Driver"] == "overlay" and "encrypted" in overlay.attrs["Options"], overlay.attrs["Options"]
+    code, out = swarm.one("coordinator").exec_run(  # a client that does not check the certificate: no connection
+        ["sh", "-c", "DLC_COORDINATOR__TLS_CA= python -m coordinator.dlcctl status"])
+    assert code == 1 and b"UNAVAILABLE" in out, out.decode()
     for container in first:  # no shared volume: the model and the versions come over HTTP
         volumes = [m.get("Name") for m in container.attrs["Mounts"] if m["Type"] == "volume"]
         assert volumes == [f"{NAME}_gpu-locks"], volumes

@@ -6,6 +6,8 @@ samplers mount no shared volume: they pull the starting model and every version 
 In one run: a worker sampler killed with -9 while a sync it has not acked is in progress (fetching or loading),
 a replica added mid-run that replays from the anchor and serves the current version, the worker scaled down to
 1; every batch is trained exactly once and the worker samplers' versions are the trainer's, file for file.
+The head runs docker-compose.head.yml as a user would: TLS on its coordinator and weight server (certificates from
+docker/make-certs.sh), the worker given four of its secret files and no secret in any environment variable.
 """
 
 from __future__ import annotations
@@ -14,22 +16,27 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from tests.compose.stack import Stack
+from launcher.processes import free_ports
+from tests.compose.stack import REPO, Stack, make_secrets
 
 pytestmark = pytest.mark.compose
 
 CLUSTER = "dlc-test-cluster"
-HEAD_FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "tests/compose/docker-compose.test.yml",
-              "tests/compose/docker-compose.head.test.yml"]
+HEAD_FILES = ["docker-compose.yml", "docker-compose.head.yml", "docker-compose.cpu.yml",
+              "tests/compose/docker-compose.test.yml", "tests/compose/docker-compose.head.test.yml"]
 WORKER_FILES = ["docker-compose.worker.yml", "docker-compose.worker.cpu.yml",
                 "tests/compose/docker-compose.worker.test.yml"]
 STEPS = 70
-SECRETS = ("DLC_SAMPLER_TOKEN", "DLC_DASHBOARD_TOKEN", "DLC_REDIS_SAMPLER_PASSWORD")
-"""What a worker is given of the head's secrets (not the write token, the trainer's token, or the coordinator's or
-the trainer's Redis passwords)."""
+SECRETS = ("dlc_sampler_token", "dlc_dashboard_token", "redis_sampler_password", "dlc_tls_ca")
+"""What a worker is given of the head's secret files (not the write token, the trainer's token, the coordinator's or
+the trainer's Redis passwords, or the TLS key)."""
+TLS_NAMES = ("head-coordinator", "head-weights")
+"""The names the worker dials the head by, which the head's certificate must hold (docker/make-certs.sh)."""
 VERIFY = ("import glob, json, sys; from rlcommon.weight_store import load_version; "
           "[print(json.dumps([load_version(p).weight_version, load_version(p).sha256])) "
           "for p in sorted(glob.glob('/home/dlc/run/fetched/*/v*'))]")
@@ -38,11 +45,14 @@ VERIFY = ("import glob, json, sys; from rlcommon.weight_store import load_versio
 
 @pytest.fixture(scope="module")
 def nodes():
-    head = Stack("dlc-head-test", HEAD_FILES, steps=STEPS, env={"DLC_CLUSTER_NETWORK": CLUSTER})
+    redis_port, coordinator_port, weights_port = free_ports(3)  # the head file's, published on 127.0.0.1
+    head = Stack("dlc-head-test", HEAD_FILES, steps=STEPS, secrets=make_secrets(TLS_NAMES), env={
+        "DLC_CLUSTER_NETWORK": CLUSTER, "DLC_HEAD_BIND": "127.0.0.1", "DLC_HEAD_REDIS_PORT": str(redis_port),
+        "DLC_HEAD_COORDINATOR_PORT": str(coordinator_port), "DLC_HEAD_WEIGHTS_PORT": str(weights_port)})
     worker_env = {"DLC_CLUSTER_NETWORK": CLUSTER, "DLC_HEAD": "unused", "DLC_HEAD_REDIS": "head-redis",
-                  "DLC_HEAD_COORDINATOR": "head-coordinator", "DLC_HEAD_WEIGHTS": "head-weights",
-                  **{name: head.env[name] for name in SECRETS}}
-    worker = Stack("dlc-worker-test", WORKER_FILES, steps=STEPS, env=worker_env)
+                  "DLC_HEAD_COORDINATOR": "head-coordinator", "DLC_HEAD_WEIGHTS": "head-weights"}
+    worker = Stack("dlc-worker-test", WORKER_FILES, steps=STEPS, env=worker_env,
+                   secrets=make_secrets(copy_of=head.secrets, only=SECRETS))
     for stack in (worker, head):
         stack.compose("down", "-v", "--remove-orphans", check=False)
     for old in head.client.networks.list(names=[CLUSTER]):
@@ -63,6 +73,25 @@ def served_versions(container) -> list[int]:
     return [int(v) for v in re.findall(r"now serving weight version (\d+)", container.logs().decode())]
 
 
+def check_secrets_and_tls(head: Stack, worker: Stack) -> None:
+    """No secret in any container's environment or command line; a worker holds only its four files; the head's
+    coordinator refuses a plaintext client and serves one that checks its certificate (docker/make-certs.sh)."""
+    values = head.secret_values()
+    for stack in (head, worker):
+        for c in stack.client.containers.list(filters={"label": f"com.docker.compose.project={stack.project}"}):
+            exposed = " ".join(c.attrs["Config"]["Env"] + (c.attrs["Config"]["Cmd"] or []) + [c.attrs["Path"]]
+                               + c.attrs["Args"])
+            assert not [name for name, value in values.items() if value.strip() in exposed], c.name
+    for c in worker.containers("sampler"):
+        code, out = c.exec_run(["ls", "/run/secrets"])
+        assert code == 0 and sorted(out.decode().split()) == sorted(SECRETS), out.decode()
+    plain = {k: v for k, v in head.env.items() if k != "DLC_TLS_CA"}
+    cmd = [sys.executable, "-m", "coordinator.dlcctl", "--address", f"127.0.0.1:{head.port}", "status", "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, env=plain, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr, proc.stderr  # no TLS: no connection
+    assert head.dlcctl("status")["run_id"]  # with the CA: served
+
+
 def test_a_worker_without_the_shared_volume_trains_with_the_head(nodes):
     head, worker = nodes
     head.compose("up", "-d", "--scale", "sampler=1", timeout=900)
@@ -74,6 +103,7 @@ def test_a_worker_without_the_shared_volume_trains_with_the_head(nodes):
         assert volumes == ["dlc-worker-test_gpu-locks"], volumes  # nothing of the head's
         assert sorted(container.attrs["NetworkSettings"]["Networks"]) == sorted([CLUSTER, "dlc-worker-test_node"])
     ids = {sampler_id(c) for c in workers}
+    check_secrets_and_tls(head, worker)
 
     def worker_rollouts_and_a_sync():
         credited = set()
@@ -118,7 +148,7 @@ def test_a_worker_without_the_shared_volume_trains_with_the_head(nodes):
     joined = re.findall(r"fetched weight version (\d+): (.*)", joiner.logs().decode())
     print(f"{joiner.name} joined: {joined}")
     assert joined and "whole" in joined[0][1]  # the anchor (or the version itself) whole, then deltas
-    assert "starting model from http://head-weights:8091" in joiner.logs().decode()
+    assert "starting model from https://head-weights:8091" in joiner.logs().decode()
 
     # Scaled down to 1: the removed replicas' tasks go to the one left.
     logs = {c.name: c.logs().decode() for c in worker.containers("sampler")}

@@ -37,16 +37,19 @@ def load(name: str) -> dict:
     return yaml.load((REPO / name).read_text(), Loader=ComposeLoader)
 
 
-def merge(base, extra):
-    """Compose's merge rules, as far as these files use them: maps merge, `!reset` removes, rest replaces."""
+def merge(base, extra, key: str | None = None):
+    """Compose's merge rules, as far as these files use them: maps merge, `!reset` removes, a service's `secrets`
+    add up (merged by source), the rest replaces."""
     if isinstance(base, dict) and isinstance(extra, dict):
         out = dict(base)
-        for key, value in extra.items():
+        for name, value in extra.items():
             if isinstance(value, _Reset):
-                out.pop(key, None)
+                out.pop(name, None)
             else:
-                out[key] = merge(out.get(key), value) if key in out else value
+                out[name] = merge(out.get(name), value, name) if name in out else value
         return out
+    if key == "secrets" and isinstance(base, list) and isinstance(extra, list):
+        return base + [item for item in extra if item not in base]
     return extra
 
 
@@ -90,7 +93,9 @@ def test_services_present():
 
 
 @pytest.mark.parametrize("stack", [BASE, CPU], ids=["gpu", "cpu"])
-def test_entrypoints_exist_and_config_env_is_valid(stack, monkeypatch):
+def test_entrypoints_exist_and_config_env_is_valid(stack, monkeypatch, tmp_path):
+    for secret in stack["secrets"]:
+        (tmp_path / secret).write_text(f"value-of-{secret}\n")
     for name, service in stack["services"].items():
         if "build" in service:
             assert (REPO / service["build"]["dockerfile"]).is_file(), f"{name}: missing Dockerfile"
@@ -107,7 +112,7 @@ def test_entrypoints_exist_and_config_env_is_valid(stack, monkeypatch):
         for key in list(os.environ):
             if key.startswith("DLC_"):
                 monkeypatch.delenv(key)
-        for key, value in env.items():
+        for key, value in with_secret_files(env, tmp_path).items():  # the secret files, made here
             monkeypatch.setenv(key, value)
         # Every DLC_<SECTION>__<KEY> must be a real config key with a valid value.
         load_config(RunConfig, [REPO / "configs/default.toml"], use_env=True)
@@ -196,7 +201,10 @@ def test_launcher_starts_the_compose_entrypoints_with_the_same_settings(tmp_path
     for name, launched in by_service.items():
         compose = BASE["services"][name]
         module = compose["command"][2]
-        compose_env = {k for k in compose["environment"] if k.startswith("DLC_")}
+        # A secret compose mounts as a file (`..._FILE`) the launcher hands its process as the plain variable; the
+        # Redis password is in the launcher's DLC_REDIS__URL (its own server's user: url_for).
+        compose_env = {k.removesuffix("_FILE") for k in compose["environment"] if k.startswith("DLC_")}
+        compose_env.discard("DLC_REDIS__PASSWORD")
         for spec in launched:
             assert spec.module == module
             assert spec.argv[-2] == "--config" and compose["command"][-2] == "--config"
@@ -228,52 +236,193 @@ def test_no_port_is_published_beyond_this_host(stack):
 
 
 WORKER = merge(load("docker-compose.worker.yml"), load("docker-compose.worker.cpu.yml"))
-TOKEN_VARIABLES = {"DLC_TOKEN": "auth_token", "DLC_TRAINER_TOKEN": "trainer_token", "DLC_SAMPLER_TOKEN": "sampler_token",
-                   "DLC_DASHBOARD_TOKEN": "dashboard_token"}
-"""The compose variable of each coordinator token (coordinator/auth.py roles) -> its coordinator.* key."""
+TOKEN_SECRETS = {"dlc_token": "auth_token", "dlc_trainer_token": "trainer_token", "dlc_sampler_token": "sampler_token",
+                 "dlc_dashboard_token": "dashboard_token"}
+"""The secret file of each coordinator token (coordinator/auth.py roles, docker/make-secrets.sh) -> its key."""
 HELD_TOKENS = {
-    "coordinator": {"DLC_TOKEN", "DLC_TRAINER_TOKEN", "DLC_SAMPLER_TOKEN", "DLC_DASHBOARD_TOKEN"},
-    "trainer": {"DLC_TRAINER_TOKEN"},
-    "sampler": {"DLC_SAMPLER_TOKEN"},
-    "weights": {"DLC_DASHBOARD_TOKEN"},
+    "coordinator": {"dlc_token", "dlc_trainer_token", "dlc_sampler_token", "dlc_dashboard_token"},
+    "trainer": {"dlc_trainer_token"},
+    "sampler": {"dlc_sampler_token"},
+    "weights": {"dlc_dashboard_token"},
 }
 """Which coordinator tokens each service of docker-compose.yml holds: its role's only (least privilege)."""
+HEAD = merge(BASE, load("docker-compose.head.yml"))
+SECRET_KEY = re.compile(r"TOKEN|PASSWORD|SECRET|API_KEY|_KEY$")
+
+
+def secret_sources(service: dict) -> set[str]:
+    return {item if isinstance(item, str) else item["source"] for item in service.get("secrets", [])}
 
 
 def tokens_held(service: dict) -> set[str]:
-    """The token variables a service's environment takes (each must be required: `${VAR:?message}`)."""
-    held = set()
-    for key, value in (service.get("environment") or {}).items():
-        for match in re.finditer(r"\$\{(\w+)", str(value)):
-            if match.group(1) in TOKEN_VARIABLES:
-                held.add(match.group(1))
-                assert REQUIRED.fullmatch(str(value)), f"{key}: {value} is not a required variable"
-                assert "openssl rand" in str(value) or "head's" in str(value), f"{key}: its message says not how"
+    """The coordinator tokens a service mounts, each read through its DLC_COORDINATOR__<KEY>_FILE."""
+    held = secret_sources(service) & set(TOKEN_SECRETS)
+    env = service.get("environment") or {}
+    for name in held:
+        assert env[f"DLC_COORDINATOR__{TOKEN_SECRETS[name].upper()}_FILE"] == f"/run/secrets/{name}", name
     return held
 
 
+def with_secret_files(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """`env` with /run/secrets/NAME read from `folder` (where the test made the files) instead."""
+    return {key: value.replace("/run/secrets/", f"{folder}/") for key, value in env.items()}
+
+
 @pytest.mark.parametrize(("stack", "expected"), [
-    (BASE, HELD_TOKENS), (CPU, HELD_TOKENS),
-    (WORKER, {"sampler": {"DLC_SAMPLER_TOKEN", "DLC_DASHBOARD_TOKEN"}}),  # the dashboard token: the weight server's
-], ids=["gpu", "cpu", "worker"])
-def test_each_service_holds_its_roles_coordinator_token_only(stack, expected, monkeypatch):
+    (BASE, HELD_TOKENS), (CPU, HELD_TOKENS), (HEAD, HELD_TOKENS),
+    (WORKER, {"sampler": {"dlc_sampler_token", "dlc_dashboard_token"}}),  # the dashboard token: the weight server's
+], ids=["gpu", "cpu", "head", "worker"])
+def test_each_service_holds_its_roles_coordinator_token_only(stack, expected, monkeypatch, tmp_path):
     """Issue 45 item 2: a sampler holds neither the write token nor the trainer's, the trainer not the write token,
-    the weight server only the read-only one; only the coordinator holds them all. Each is required (`up` refuses
-    to start without it), and the service's config holds exactly those tokens."""
+    the weight server only the read-only one; only the coordinator holds them all. Each is a secret file the
+    service mounts, and the service's config holds exactly those tokens, read from them."""
     held = {name: tokens_held(service) for name, service in stack["services"].items()}
     assert {name: tokens for name, tokens in held.items() if tokens} == expected
+    for name in stack["secrets"]:
+        (tmp_path / name).write_text(f"value-of-{name}\n")
     for name, service in stack["services"].items():
         if (service.get("command") or [None])[0] != "python":
             continue
         for key in list(os.environ):
             if key.startswith("DLC_"):
                 monkeypatch.delenv(key)
-        for key, value in (service.get("environment") or {}).items():
-            monkeypatch.setenv(key, substitute(str(value)))
+        env = {k: substitute(str(v)) for k, v in (service.get("environment") or {}).items()}
+        for key, value in with_secret_files(env, tmp_path).items():
+            if "TLS" not in key:
+                monkeypatch.setenv(key, value)
         ccfg = load_config(RunConfig, [REPO / "configs/default.toml"], use_env=True).coordinator
-        tokens = {key: getattr(ccfg, key) for key in TOKEN_VARIABLES.values()}
-        assert tokens == {key: required_value(variable) if variable in held[name] else None
-                          for variable, key in TOKEN_VARIABLES.items()}, name
+        tokens = {key: getattr(ccfg, key) for key in TOKEN_SECRETS.values()}
+        assert tokens == {key: f"value-of-{secret}" if secret in held[name] else None
+                          for secret, key in TOKEN_SECRETS.items()}, name
+
+
+COMPOSE_FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.head.yml", "docker-compose.worker.yml",
+                 "docker-compose.worker.cpu.yml", "docker-compose.trainer-head.yml", "docker-compose.trainer-node.yml",
+                 "docker-compose.trainer-node.cpu.yml", "docker-stack.yml", "docker-stack.cpu.yml",
+                 "docker-stack.autoscale.yml", "docker-stack.ports.yml", "docker-stack.trainer-nodes.yml"]
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_no_secret_is_an_environment_variable(name):
+    """Issue 45 item 7: `docker inspect` shows a container's environment and every child process (vLLM's workers)
+    inherits it. A token, password or key is `none`, or a DLC_..._FILE naming a secret the service mounts, or a
+    path to one (the TLS files); never a value interpolated from the host (WANDB_API_KEY, the user's own, aside)."""
+    doc = load(name)
+    top = set(doc.get("secrets") or {})
+    for service_name, service in (doc.get("services") or {}).items():
+        mounted = secret_sources(service)
+        assert mounted <= top | set(BASE["secrets"]) | set(load("docker-compose.head.yml")["secrets"]), service_name
+        for key, value in (service.get("environment") or {}).items():
+            value = str(value)
+            if key.endswith("_FILE") or key.startswith("DLC_COORDINATOR__TLS_"):
+                if value.startswith("/run/secrets/"):
+                    assert value.removeprefix("/run/secrets/") in mounted, f"{name} {service_name}: {key}"
+                continue
+            if key == "WANDB_API_KEY":
+                continue
+            if SECRET_KEY.search(key.split("__")[-1]):
+                assert value == "none", f"{name} {service_name}: {key}={value} is a secret in the environment"
+            assert not re.search(r"\$\{\w*(TOKEN|PASSWORD)", value), f"{name} {service_name}: {key}={value}"
+            assert not re.search(r"redis://[^@/]*:[^@/]*@", value), f"{name} {service_name}: a password in {key}"
+
+
+def test_each_secret_file_is_one_that_make_secrets_or_make_certs_writes(tmp_path):
+    """The compose and stack files name the files the scripts write; the scripts make them readable by the
+    containers' user (compose mounts a file as it is) in a folder only its owner can enter (the values and a rerun:
+    tests/unit/test_swarm_stack.py)."""
+    import stat
+    import subprocess
+
+    folder = tmp_path / "secrets"
+    subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(folder)], check=True, capture_output=True)
+    subprocess.run(["sh", str(REPO / "docker/make-certs.sh"), str(folder)], check=True, capture_output=True)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for name in ("docker-compose.yml", "docker-compose.head.yml", "docker-compose.worker.yml", "docker-stack.yml"):
+        for secret, spec in load(name)["secrets"].items():
+            assert spec["file"] == "${DLC_SECRETS:-./secrets}/" + secret, (name, secret)
+            made = folder / secret
+            assert made.is_file() and made.read_text().strip(), (name, secret)
+            assert stat.S_IMODE(made.stat().st_mode) == 0o444, (name, secret)
+    assert stat.S_IMODE((folder / "tls-ca-key.pem").stat().st_mode) == 0o400  # the CA's key: never mounted
+
+
+def test_tls_across_nodes_in_the_head_worker_and_swarm_files():
+    """Issue 45 item 7: what crosses nodes speaks TLS. The head's coordinator and weight server serve
+    dlc_tls_cert/key; every client of the head, of a worker and of the swarm checks them against dlc_tls_ca (the
+    coordinator too: its healthcheck is a TLS client); samplers fetch weights over https; the overlay is encrypted."""
+    server = {"DLC_COORDINATOR__TLS_CERT": "/run/secrets/dlc_tls_cert", "DLC_COORDINATOR__TLS_KEY": "/run/secrets/dlc_tls_key"}
+    swarm = load("docker-stack.yml")
+    for stack in (HEAD, swarm):
+        for name, service in stack["services"].items():
+            if name == "redis":
+                continue
+            env = service["environment"]
+            assert env["DLC_COORDINATOR__TLS_CA"] == "/run/secrets/dlc_tls_ca", name
+            assert "dlc_tls_ca" in secret_sources(service), name
+            is_server = name in ("coordinator", "weights")
+            assert ({k: env.get(k) for k in server} == server) == is_server, name
+            assert {"dlc_tls_cert", "dlc_tls_key"} <= secret_sources(service) or not is_server, name
+            assert not ({"dlc_tls_key"} & secret_sources(service)) or is_server, name  # the key: servers only
+    assert swarm["services"]["sampler"]["environment"]["DLC_SAMPLER__WEIGHTS_URL"].startswith("https://")
+    worker = WORKER["services"]["sampler"]
+    assert worker["environment"]["DLC_COORDINATOR__TLS_CA"] == "/run/secrets/dlc_tls_ca"
+    assert worker["environment"]["DLC_SAMPLER__WEIGHTS_URL"].startswith("https://")
+    assert secret_sources(worker) == {"dlc_sampler_token", "dlc_dashboard_token", "redis_sampler_password", "dlc_tls_ca"}
+    assert swarm["networks"]["dlc"]["driver_opts"]["encrypted"] == "true"
+    autoscaler = load("docker-stack.autoscale.yml")["services"]["autoscaler"]
+    assert autoscaler["environment"]["DLC_COORDINATOR__TLS_CA"] == "/run/secrets/dlc_tls_ca"
+
+
+def test_make_certs_signs_a_certificate_clients_check_by_name(tmp_path):
+    """docker/make-certs.sh's CA and server certificate as a TLS client checks them: valid for the service names,
+    127.0.0.1 and the names given; refused for any other name, and by a client that trusts another CA."""
+    import socket
+    import ssl
+    import subprocess
+    import threading
+
+    folder = tmp_path / "secrets"
+    subprocess.run(["sh", str(REPO / "docker/make-certs.sh"), str(folder), "head.example", "10.1.2.3"], check=True,
+                   capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(folder / "dlc_tls_cert", folder / "dlc_tls_key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                    tls.sendall(b"ok")
+            except (ssl.SSLError, OSError):
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def handshake(name: str, ca: Path) -> bytes:
+        ctx = ssl.create_default_context(cafile=str(ca))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            with ctx.wrap_socket(raw, server_hostname=name) as tls:
+                return tls.recv(2)
+
+    try:
+        for name in ("coordinator", "weights", "localhost", "127.0.0.1", "head.example", "10.1.2.3"):
+            assert handshake(name, folder / "dlc_tls_ca") == b"ok", name
+        with pytest.raises(ssl.SSLCertVerificationError):
+            handshake("elsewhere.example", folder / "dlc_tls_ca")
+        other = tmp_path / "other"
+        subprocess.run(["sh", str(REPO / "docker/make-certs.sh"), str(other)], check=True, capture_output=True)
+        with pytest.raises(ssl.SSLCertVerificationError):
+            handshake("coordinator", other / "dlc_tls_ca")
+    finally:
+        listener.close()
+    before = (folder / "dlc_tls_cert").read_bytes()
+    subprocess.run(["sh", str(REPO / "docker/make-certs.sh"), str(folder)], check=True, capture_output=True)
+    assert (folder / "dlc_tls_cert").read_bytes() == before  # kept
 
 
 def test_the_launcher_gives_each_service_its_roles_token_only(tmp_path):
@@ -311,22 +460,23 @@ def test_the_launcher_gives_each_service_its_roles_token_only(tmp_path):
 
 
 def test_redis_requires_auth_with_the_rules_of_redis_acl():
-    """The redis service's users are rlcommon/redis_acl.py's (the image's docker/redis-users.acl), each with a
-    required password, and each service logs in as its own user with that password."""
+    """The redis service's users are rlcommon/redis_acl.py's (the image's docker/redis-users.acl), each with its
+    password file mounted, and each service logs in as its own user with that file."""
     from rlcommon.redis_acl import SERVICE_USERS, acl_file_template
 
     assert (REPO / "docker/redis-users.acl").read_text() == acl_file_template(), \
         "docker/redis-users.acl is stale: python -m rlcommon.redis_acl > docker/redis-users.acl"
     redis_service = BASE["services"]["redis"]
     assert redis_service["entrypoint"] == ["dlc-redis-acl"]
-    env = redis_service["environment"]
-    assert substitute(env["DLC_RUN_ID"]) == "default"
+    assert substitute(redis_service["environment"]["DLC_RUN_ID"]) == "default"
+    assert secret_sources(redis_service) == {f"redis_{user}_password" for user in SERVICE_USERS}
     for user in SERVICE_USERS:
-        variable = REQUIRED.fullmatch(env[f"DLC_REDIS_PASSWORD_{user.upper()}"])
-        assert variable, f"{user}: the password must be a required variable"
-        url = BASE["services"][SERVICE_OF_USER[user]]["environment"]["DLC_REDIS__URL"]
-        assert substitute(url) == f"redis://{user}:{required_value(variable.group(1))}@redis:6379/0"
-    assert "DLC_REDIS__URL" not in env
+        service = BASE["services"][SERVICE_OF_USER[user]]
+        assert substitute(service["environment"]["DLC_REDIS__URL"]) == f"redis://{user}@redis:6379/0"
+        assert service["environment"]["DLC_REDIS__PASSWORD_FILE"] == f"/run/secrets/redis_{user}_password"
+        assert f"redis_{user}_password" in secret_sources(service)
+        assert not {f"redis_{other}_password" for other in SERVICE_USERS if other != user} & secret_sources(service)
+    assert "DLC_REDIS__URL" not in redis_service["environment"]
     assert "--user coordinator" in redis_service["healthcheck"]["test"][1]
 
 
@@ -336,28 +486,30 @@ def test_no_password_is_on_the_redis_command_line():
     assert "--user" not in command and ">" not in command and "PASSWORD" not in command, command
 
 
-def test_the_redis_healthcheck_takes_its_password_from_the_environment_not_its_command_line():
-    """A command line is readable by every user of the host (ps): the password comes from REDISCLI_AUTH."""
-    redis_service = BASE["services"]["redis"]
-    test = " ".join(redis_service["healthcheck"]["test"])
+def test_the_redis_healthcheck_takes_its_password_from_the_secret_file_not_its_command_line():
+    """A command line is readable by every user of the host (ps): redis-cli reads the password from REDISCLI_AUTH,
+    set from the coordinator's password file for the check only."""
+    test = " ".join(BASE["services"]["redis"]["healthcheck"]["test"])
     assert not re.search(r"--pass\b|(^|\s)-a(\s|$)|\$\{?DLC_REDIS_\w*PASSWORD", test), test
-    assert REQUIRED.fullmatch(redis_service["environment"]["REDISCLI_AUTH"]).group(1) == "DLC_REDIS_COORDINATOR_PASSWORD"
+    assert "/run/secrets/redis_coordinator_password" in test and "REDISCLI_AUTH=" in test
 
 
-def redis_healthcheck(port: int) -> str:
-    """The redis service's healthcheck shell command, with the redis-cli beside the local redis-server, on `port`."""
+def redis_healthcheck(port: int, secrets: Path) -> str:
+    """The redis service's healthcheck shell command, with the redis-cli beside the local redis-server, on `port`,
+    its secret files in `secrets`."""
     from rlcommon.embedded_redis import find_redis_server
 
     kind, command = BASE["services"]["redis"]["healthcheck"]["test"]
     cli = Path(find_redis_server()).with_name("redis-cli")
-    assert kind == "CMD-SHELL" and command.startswith("redis-cli ") and cli.exists()
-    return f"{cli} -p {port} {substitute(command).removeprefix('redis-cli ')}"
+    assert kind == "CMD-SHELL" and "redis-cli " in command and cli.exists()
+    command = command.replace("$$", "$").replace("/run/secrets/", f"{secrets}/")
+    return command.replace("redis-cli ", f"{cli} -p {port} ")
 
 
 def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rules(tmp_path):
-    """Run the redis service as its container does (docker/redis-acl.sh with the service's environment, then its
-    command) on the local redis-server: the rules hold, and neither the server's command line nor its
-    environment holds a password."""
+    """Run the redis service as its container does (docker/redis-acl.sh with the service's environment and the
+    secret files docker/make-secrets.sh writes, then its command) on the local redis-server: the rules hold, and
+    neither the server's command line nor its environment holds a password."""
     import subprocess
 
     import redis
@@ -365,14 +517,14 @@ def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rul
     from rlcommon.bus import stream_key
     from tests.unit.redis_service import first_write, start_redis_service
 
+    secrets = tmp_path / "secrets"  # where start_redis_service's entrypoint reads them (DLC_REDIS_SECRETS)
+    subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(secrets)], check=True, capture_output=True)
+    password = {user: (secrets / f"redis_{user}_password").read_text() for user in ("coordinator", "trainer", "sampler")}
     service = BASE["services"]["redis"]
     command = [substitute(arg) for arg in service["command"]]
-    env = {"DLC_REDIS_SECRETS": str(tmp_path / "no-secrets"),
-           **{k: substitute(v) for k, v in service["environment"].items()}}
-    server, port = start_redis_service(tmp_path, env, command)
+    server, port = start_redis_service(tmp_path, {k: substitute(v) for k, v in service["environment"].items()}, command)
     try:
-        sampler = redis.Redis(port=port, username="sampler", password=required_value("DLC_REDIS_SAMPLER_PASSWORD"),
-                              protocol=2)
+        sampler = redis.Redis(port=port, username="sampler", password=password["sampler"], protocol=2)
         first_write(sampler, stream_key("default", "rollouts"), server, tmp_path / "redis.log")
         with pytest.raises(redis.exceptions.NoPermissionError):
             sampler.xadd(stream_key("default", "tasks"), {b"d": b"forged"})
@@ -382,16 +534,14 @@ def test_the_compose_redis_command_refuses_anonymous_clients_and_applies_the_rul
         cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().decode()
         environ = Path(f"/proc/{server.pid}/environ").read_bytes().decode()
         assert "redis-server" in cmdline  # (Redis sets its process title over its arguments once it runs)
-        for user in ("COORDINATOR", "TRAINER", "SAMPLER"):
-            secret = required_value(f"DLC_REDIS_{user}_PASSWORD")
-            assert secret not in cmdline and f"DLC_REDIS_PASSWORD_{user}" not in environ
+        for secret in password.values():
+            assert secret not in cmdline and secret not in environ
             assert secret not in (tmp_path / "users.acl").read_text()  # its sha256 only
-        # The healthcheck, as the container runs it: healthy with the container's REDISCLI_AUTH, not without.
-        check = redis_healthcheck(port)
-        env = {**os.environ, **{k: substitute(v) for k, v in service["environment"].items()}}
-        assert subprocess.run(check, shell=True, env=env, timeout=30).returncode == 0
-        env.pop("REDISCLI_AUTH")
-        assert subprocess.run(check, shell=True, env=env, timeout=30).returncode != 0
+        # The healthcheck, as the container runs it: healthy with the coordinator's password file, not without.
+        env = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
+        assert subprocess.run(redis_healthcheck(port, secrets), shell=True, env=env, timeout=30).returncode == 0
+        assert subprocess.run(redis_healthcheck(port, tmp_path / "elsewhere"), shell=True, env=env,
+                              timeout=30).returncode != 0
     finally:
         server.terminate()
         server.wait(timeout=10)

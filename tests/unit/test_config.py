@@ -219,6 +219,23 @@ def test_a_secret_comes_from_a_file_named_by_a_file_variable(tmp_path, monkeypat
         env_overrides({"DLC_COORDINATOR__AUTH_TOKEN_FILE": str(tmp_path / "missing")})
 
 
+def test_a_secret_file_the_service_may_not_read_says_how_to_fix_it(tmp_path, monkeypatch):
+    """Compose mounts a file secret with its host owner and mode: one of mode 600 is unreadable to the containers'
+    user. (The tests run as root, who reads any file: the refusal is the kernel's, raised here as it would be.)"""
+    from rlcommon.config import ConfigError, env_overrides
+
+    token = tmp_path / "token"
+    token.write_text("0123abc\n")
+
+    def refused(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    with pytest.raises(ConfigError, match=r"AUTH_TOKEN_FILE: cannot read the secret file .*Permission denied.*"
+                                          r"make-secrets\.sh makes them mode 444 in a folder of mode 700"):
+        env_overrides({"DLC_COORDINATOR__AUTH_TOKEN_FILE": str(token)})
+
+
 def test_the_role_tokens_are_read_as_the_other_tokens_and_all_must_differ(tmp_path, monkeypatch):
     """coordinator.sampler_token / trainer_token (coordinator/auth.py roles): from DLC_COORDINATOR__*_TOKEN or its
     _FILE, `none` unsets one, redacted in messages; two roles with one token are refused, naming both keys."""

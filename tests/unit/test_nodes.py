@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -145,15 +146,21 @@ def test_join_refuses_no_head_in_bounded_time() -> None:
 # ------------------------------------------------------------------------------------- the compose files
 
 def _compose_env(service: dict, monkeypatch, **given: str) -> RunConfig:
-    """The config a service's environment gives (required variables set as a user would, `given` beside)."""
-    from tests.unit.test_compose import substitute
+    """The config a service's environment gives (required variables set as a user would, `given` beside; the secret
+    files it names under /run/secrets made in a temporary folder)."""
+    import tempfile
+
+    from tests.unit.test_compose import substitute, with_secret_files
 
     for key in list(os.environ):
         if key.startswith("DLC_"):
             monkeypatch.delenv(key)
     for key, value in given.items():
         monkeypatch.setenv(key, value)
-    env = {k: substitute(str(v)) for k, v in (service.get("environment") or {}).items()}
+    folder = Path(tempfile.mkdtemp())
+    for secret in service.get("secrets") or []:
+        (folder / (secret if isinstance(secret, str) else secret["source"])).write_text("value\n")
+    env = with_secret_files({k: substitute(str(v)) for k, v in (service.get("environment") or {}).items()}, folder)
     for key in list(os.environ):
         if key.startswith("DLC_") and key not in env:
             monkeypatch.delenv(key)

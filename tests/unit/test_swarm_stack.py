@@ -22,6 +22,8 @@ from tests.unit.redis_service import first_write, run_entrypoint, start_redis_se
 REPO = Path(__file__).resolve().parents[2]
 SECRETS = ["dlc_token", "dlc_dashboard_token", "dlc_trainer_token", "dlc_sampler_token", "redis_coordinator_password",
            "redis_trainer_password", "redis_sampler_password"]
+TLS_SECRETS = ["dlc_tls_ca", "dlc_tls_cert", "dlc_tls_key"]
+"""docker/make-certs.sh's files (the coordinator's and the weight server's TLS)."""
 TOKEN_SECRETS = {"dlc_token": "auth_token", "dlc_dashboard_token": "dashboard_token",
                  "dlc_trainer_token": "trainer_token", "dlc_sampler_token": "sampler_token"}
 """The coordinator's tokens (coordinator/auth.py roles) -> their coordinator.* keys."""
@@ -66,7 +68,7 @@ def secret_targets(service: dict) -> dict[str, str]:
 
 
 def test_the_stack_declares_every_secret_from_a_file_and_no_service_holds_one_in_its_environment():
-    assert set(STACK["secrets"]) == set(SECRETS)
+    assert set(STACK["secrets"]) == set(SECRETS + TLS_SECRETS)
     for name, secret in STACK["secrets"].items():
         assert substitute(secret["file"]) == f"./secrets/{name}"
     for name, service in STACK["services"].items():
@@ -117,7 +119,7 @@ def test_samplers_mount_no_shared_volume_and_fetch_weights_over_http():
     assert [v for v in sampler["volumes"] if isinstance(v, str)] == ["gpu-locks:/gpu-locks"]
     assert {"type": "tmpfs", "target": "/dev/shm", "tmpfs": {"size": 2 * 1024**3}} in sampler["volumes"]
     env = env_of(STACK, "sampler")
-    assert env["DLC_SAMPLER__WEIGHT_TRANSFER"] == "http" and env["DLC_SAMPLER__WEIGHTS_URL"] == "http://weights:8091"
+    assert env["DLC_SAMPLER__WEIGHT_TRANSFER"] == "http" and env["DLC_SAMPLER__WEIGHTS_URL"] == "https://weights:8091"
     assert env["DLC_RUN_DIR"].startswith("/home/dlc/")  # the container's own folder
     assert "shared:/shared:ro" in STACK["services"]["weights"]["volumes"]
 
@@ -222,7 +224,8 @@ def test_make_secrets_writes_private_random_files_and_keeps_existing_ones(tmp_pa
     values = {name: (folder / name).read_text() for name in SECRETS}
     assert all(re.fullmatch(r"[0-9a-f]{48}", v) for v in values.values()) and len(set(values.values())) == len(SECRETS)
     assert folder.stat().st_mode & 0o777 == 0o700
-    assert all((folder / n).stat().st_mode & 0o777 == 0o600 for n in SECRETS)
+    # Readable by the containers' user: compose mounts a file secret with its host mode (the folder keeps others out).
+    assert all((folder / n).stat().st_mode & 0o777 == 0o444 for n in SECRETS)
     assert not any(v in out for v in values.values())  # names only, never a value
     subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(folder)], check=True, capture_output=True)
     assert {name: (folder / name).read_text() for name in SECRETS} == values
