@@ -283,7 +283,7 @@ def test_the_stack_trains_across_a_kill_a_rolling_update_and_autoscaling(swarm):
     joiner = swarm.wait("the new replica serving the current version", joined, timeout=600)
     t_serving = time.time()
     logs = joiner.logs().decode()
-    assert "starting model from http://weights:8091" in logs, logs[-3000:]
+    assert "starting model from https://weights:8091" in logs, logs[-3000:]
     print(f"scale-up: the autoscaler acted {t_up - asked_up['changed_at']:.1f} s after the coordinator asked for 2 "
           f"({asked_up['reason']}), the new replica served the current version "
           f"{t_serving - asked_up['changed_at']:.0f} s after the ask")
