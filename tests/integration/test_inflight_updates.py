@@ -7,7 +7,10 @@ One run checks that:
   responses spanning two versions are trained (each token corrected at its own version);
 - a sampler killed in the middle of a keep update (its engine core frozen with requests in flight, so that the
   update's pause cannot finish, then `kill -9` of the whole sampler) costs nothing: the sync completes without it,
-  the other sampler claims its tasks, and started again it serves the latest version.
+  the other sampler claims its tasks, and started again it serves the latest version;
+- a `kill -9` of redis-server mid-run (its append-only file kept; issue 45: the keep-mode soak with a Redis kill)
+  is ridden out while keep updates go on: the streams and groups come back as they were, and keep updates with
+  requests in flight land after it as before.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import pytest
 from benchmarks.update_modes import SWAPPED
 from protos import coordinator_pb2 as pb
 from tests.integration.stacks import stack_config
-from tests.integration.test_faults import RUN_ID, FaultDriver, check_ledger
+from tests.integration.test_faults import RUN_ID, FaultDriver, check_ledger, check_redis_kept, restart_redis
 
 STEPS = 80
 B, G = 4, 2
@@ -129,6 +132,7 @@ def keep_run(tmp_path_factory) -> dict[str, Any]:
             and "sampler-0" in s.acked_samplers and "sampler-1" not in s.acked_samplers), None))
         driver.wait_until("the killed sampler's tasks to be claimed", lambda: not driver.pending_of(
             driver.stream("tasks"), "samplers", "sampler-1"))
+        obs["redis"] = restart_redis(driver, kill=True)  # mid-run, keep updates going on
         driver.stack.start_service("sampler-1")
         driver.wait_until("the trainer to finish", lambda: driver.stack.processes["trainer"].poll() == 0
                           and len(driver.rows()) >= STEPS)
@@ -165,6 +169,18 @@ def test_keep_updates_train_every_batch_exactly_once(keep_run):
     assert any(int(m.group(3)) > 0 for m in kept), "no keep update ran with requests in flight"
     print(f"keep run: {spanning:.0f} spanning rollouts trained over {len(rows)} steps; "
           f"{sum(int(m.group(3)) > 0 for m in kept)} of {len(kept)} updates landed with requests in flight")
+
+
+def test_a_redis_kill_mid_run_is_ridden_out_in_keep_mode(keep_run):
+    """The run went on past a kill -9 of redis-server (every batch once: the test above): nothing of the streams or
+    the groups was lost, and keep updates with requests in flight landed after the restart too."""
+    restart = keep_run["redis"]
+    assert restart["rows_at_restart"] < STEPS - 10, "the kill came too late to show the run going on"
+    check_redis_kept(restart)
+    later = [r for r in keep_run["rows"] if r["step"] > restart["rows_at_restart"] + 1]
+    assert later and sum(r["spanning_rollouts"] for r in later) > 0, "no keep update landed inside a response after it"
+    print(f"redis-server killed at step {restart['rows_at_restart']} of {STEPS}; after it "
+          f"{sum(r['spanning_rollouts'] for r in later)} rollouts spanning two versions trained in {len(later)} steps")
 
 
 def test_a_sampler_killed_in_a_keep_update_costs_nothing(keep_run):
