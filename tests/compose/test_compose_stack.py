@@ -4,7 +4,9 @@ Builds the images, starts docker-compose.yml + docker-compose.cpu.yml + tests/co
 with `--scale sampler=2`, and checks the running containers with the Docker SDK: both replicas train, dlcctl
 from the host agrees with the trainer's metrics, the Prometheus endpoints answer inside the network, a
 SIGKILLed sampler's tasks go to the other replica, and compose's restart policy brings it back, and `down` + `up` resumes from
-the volumes. The tests run in file order on one stack (each builds on the one before).
+the volumes; in that second run, a rolling update, then Redis recreated on an empty volume (its data gone, its users
+made again from the secrets: issue 45 item 1). The tests run in file order on one stack (each builds on the one
+before).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "tests/compose/docker-c
 FIRST_STEPS = 300
 """Long enough that a replica killed twice is back and taking tasks before the run ends (at 100 the run ended
 while it restarted the second time: it never held a task again)."""
-SECOND_STEPS = 700
+SECOND_STEPS = 900
 """The second run (after `down` + `up`) is long enough for a rolling update of both replicas (docker/rolling-update.sh:
-each new replica's engine starts while the trainer trains on)."""
+each new replica's engine starts while the trainer trains on) and then for Redis emptied: the tasks it lost are
+re-served when their batch stalls (coordinator.batch_stall_s, 120 s)."""
 B, G = 8, 4
 
 
@@ -259,6 +262,7 @@ def test_down_and_up_resumes_from_the_volumes(stack):
     assert after["published_version"] == before["published_version"], (before, after)
     assert after["num_syncs"] == before["num_syncs"]
     roll_rolling_update(stack)
+    empty_redis(stack)
     stack.wait(f"the trainer finishing {SECOND_STEPS} steps", stack.trainer_done, timeout=900)
     rows = stack.metrics_rows()
     assert sorted(r["batch_id"] for r in rows) == list(range(SECOND_STEPS))  # none twice, none missing
@@ -268,6 +272,26 @@ def test_down_and_up_resumes_from_the_volumes(stack):
     logs = stack.compose("logs", "--no-color", "trainer").stdout
     assert re.search(rf"resumed from .*: step {FIRST_STEPS}, ", logs), "the trainer's log shows no resume"
     assert re.search(rf"step {SECOND_STEPS - 1} batch {SECOND_STEPS - 1}", logs)  # logs go to stdout/stderr
+
+
+def empty_redis(stack) -> None:
+    """Redis removed with its volume and started again empty (a compose Redis that lost its disk): the coordinator
+    writes its state back, the groups and streams are made again, and the run goes on (every batch once: the
+    caller's checks)."""
+    at = len(stack.metrics_rows())
+    stack.compose("rm", "--stop", "--force", "redis", timeout=120)
+    for volume in stack.client.volumes.list(filters={"name": f"{stack.project}_redis-data"}):
+        volume.remove(force=True)
+    t0 = time.time()
+    stack.compose("up", "-d", "--no-deps", "redis", timeout=300)
+    stack.wait("the coordinator's state written back to the empty Redis", lambda: "whole state back" in stack.one(
+        "coordinator").logs(since=int(t0)).decode(errors="replace"), timeout=300)
+    stack.wait("10 steps trained after Redis came back empty", lambda: stack.trainer_done() or
+               len(stack.metrics_rows()) >= at + 10, timeout=600)
+    rows = stack.metrics_rows()
+    assert len(rows) < SECOND_STEPS, "the run ended before Redis came back: it showed nothing"
+    print(f"redis emptied at step {at}: the coordinator's state written back, step {len(rows)} "
+          f"{time.time() - t0:.0f} s later")
 
 
 def roll_rolling_update(stack) -> None:
