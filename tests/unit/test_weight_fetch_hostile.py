@@ -409,10 +409,10 @@ def test_a_fetch_that_loses_a_pruned_file_is_acked_with_its_reason_retried_and_l
             assert all("v000003/model.safetensors" in reason and "404" in reason for reason in reasons), reasons
             assert sampler.engine.weight_version == 1 and not sampler.may_take_tasks.is_set()
             (tmp_path / "away").rename(pruned)  # back (or a newer version announced): the next try loads it
-            async with asyncio.timeout(WAIT_S):
-                while sampler.engine.weight_version != 3:
+            async with asyncio.timeout(WAIT_S):  # loaded, then acked: wait for both (the ack comes after the swap)
+                while sampler.engine.weight_version != 3 or sampler.coordinator.acks[-1] != (3, ""):
                     await asyncio.sleep(0.01)
-            assert sampler.coordinator.acks[-1] == (3, "") and sampler.may_take_tasks.is_set()
+            assert sampler.may_take_tasks.is_set()
             assert not loader.done() and sampler.failure is None
         finally:
             sampler.stopping.set()
