@@ -99,7 +99,7 @@ class CoordinatorStore:
         Raises what the connection raises (BusUnavailableError past the reconnect budget); the store is then
         out of date, since the transaction may or may not have been applied."""
         if self.out_of_date and not write.replace_all:
-            self.rewrite()
+            self.rewrite("a write did not complete (Redis unreachable or restarted), so Redis may have lost some")
         self._exec(write)
 
     def save_batch(self, record: BatchRecord) -> None:
