@@ -52,6 +52,14 @@ def make_secrets(tls_names: tuple[str, ...] | None = None, *, copy_of: Path | No
     return folder
 
 
+def leaked_secrets(container, values: dict[str, str]) -> list[str]:
+    """The names of `values` (secret name -> value) that the container's environment, command or arguments hold
+    (`docker inspect` shows them; secrets must reach it as files under /run/secrets)."""
+    config = container.attrs["Config"]
+    exposed = " ".join(config["Env"] + (config["Cmd"] or []) + [container.attrs["Path"]] + container.attrs["Args"])
+    return [name for name, value in values.items() if value.strip() in exposed]
+
+
 class Stack:
     """One compose project: the `docker compose` CLI for lifecycle, the SDK for inspection and faults."""
 

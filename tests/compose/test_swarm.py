@@ -29,7 +29,16 @@ import time
 import docker
 import pytest
 
-from tests.compose.stack import REPO, RUN_ID, Stack, step_figures, trained_batches, wait_for
+from tests.compose.stack import (
+    REPO,
+    RUN_ID,
+    Stack,
+    leaked_secrets,
+    make_secrets,
+    step_figures,
+    trained_batches,
+    wait_for,
+)
 
 pytestmark = pytest.mark.compose
 
@@ -123,8 +132,9 @@ def sampler_id(container) -> str:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
-    builder = Stack("dlc-swarm-build", ["docker-compose.yml", "docker-compose.cpu.yml"], steps=STEPS)
+def swarm():
+    builder = Stack("dlc-swarm-build", ["docker-compose.yml", "docker-compose.cpu.yml"], steps=STEPS,
+                    secrets=make_secrets(tls_names=()))  # the tokens, the passwords and a test cluster's TLS files
     builder.compose("--progress", "plain", "build", timeout=1800)  # cached when the compose test built them
     client = builder.client
     joined_here = client.info()["Swarm"]["LocalNodeState"] == "inactive"
@@ -132,9 +142,7 @@ def swarm(tmp_path_factory):
         docker_cli("swarm", "init", "--advertise-addr", "127.0.0.1")
     node = docker_cli("info", "--format", "{{.Swarm.NodeID}}").strip()
     docker_cli("node", "update", "--label-add", "dlc.role=head", "--label-add", "dlc.gpu=true", node)
-    secrets = tmp_path_factory.mktemp("swarm") / "secrets"
-    subprocess.run(["sh", str(REPO / "docker/make-secrets.sh"), str(secrets)], check=True, capture_output=True)
-    subprocess.run(["sh", str(REPO / "docker/make-certs.sh"), str(secrets)], check=True, capture_output=True)
+    secrets = builder.secrets
     env = {k: v for k, v in builder.env.items() if not k.startswith("DLC_")}
     env.update(DLC_SECRETS=str(secrets), DLC_STEPS=str(STEPS), DLC_SAMPLERS="2", DLC_SAMPLERS_MIN="1",
                DLC_SAMPLERS_MAX="2", DLC_AUTOSCALE_POLL_S="2")
@@ -184,12 +192,11 @@ def test_the_stack_trains_across_a_kill_a_rolling_update_and_autoscaling(swarm):
     ids = {sampler_id(c) for c in first}
     head_containers = {s: swarm.one(s).id for s in ("redis", "coordinator", "trainer", "weights")}
 
-    # Secrets are files, never environment: no container's environment holds a secret's value.
+    # Secrets are files, never environment: no container's environment or command line holds a secret's value.
     for service in ("redis", "coordinator", "trainer", "weights", "sampler", "autoscaler"):
         for container in swarm.containers(service):
-            env = "\n".join(container.attrs["Config"]["Env"])
-            leaked = [name for name, value in swarm.secrets.items() if value in env]
-            assert not leaked, f"{container.name}: {leaked} in its environment"
+            leaked = leaked_secrets(container, swarm.secrets)
+            assert not leaked, f"{container.name}: {leaked} in its environment or command line"
     # The read-only token only, and the CA: the coordinator and the weight server speak TLS on an encrypted overlay.
     assert swarm.exec("autoscaler", "ls /run/secrets").split() == ["dlc_dashboard_token", "dlc_tls_ca"]
     [overlay] = swarm.client.networks.list(names=[f"{NAME}_dlc"])

@@ -94,8 +94,6 @@ def test_services_present():
 
 @pytest.mark.parametrize("stack", [BASE, CPU], ids=["gpu", "cpu"])
 def test_entrypoints_exist_and_config_env_is_valid(stack, monkeypatch, tmp_path):
-    for secret in stack["secrets"]:
-        (tmp_path / secret).write_text(f"value-of-{secret}\n")
     for name, service in stack["services"].items():
         if "build" in service:
             assert (REPO / service["build"]["dockerfile"]).is_file(), f"{name}: missing Dockerfile"
@@ -264,8 +262,16 @@ def tokens_held(service: dict) -> set[str]:
 
 
 def with_secret_files(env: dict[str, str], folder: Path) -> dict[str, str]:
-    """`env` with /run/secrets/NAME read from `folder` (where the test made the files) instead."""
-    return {key: value.replace("/run/secrets/", f"{folder}/") for key, value in env.items()}
+    """`env` with each /run/secrets/NAME it names made in `folder` (content `value-of-NAME`) and read from there."""
+    out = {}
+    for key, value in env.items():
+        if value.startswith("/run/secrets/"):
+            made = folder / value.removeprefix("/run/secrets/")
+            if not made.exists():
+                made.write_text(f"value-of-{made.name}\n")
+            value = str(made)
+        out[key] = value
+    return out
 
 
 @pytest.mark.parametrize(("stack", "expected"), [
@@ -278,8 +284,6 @@ def test_each_service_holds_its_roles_coordinator_token_only(stack, expected, mo
     service mounts, and the service's config holds exactly those tokens, read from them."""
     held = {name: tokens_held(service) for name, service in stack["services"].items()}
     assert {name: tokens for name, tokens in held.items() if tokens} == expected
-    for name in stack["secrets"]:
-        (tmp_path / name).write_text(f"value-of-{name}\n")
     for name, service in stack["services"].items():
         if (service.get("command") or [None])[0] != "python":
             continue

@@ -157,10 +157,8 @@ def _compose_env(service: dict, monkeypatch, **given: str) -> RunConfig:
             monkeypatch.delenv(key)
     for key, value in given.items():
         monkeypatch.setenv(key, value)
-    folder = Path(tempfile.mkdtemp())
-    for secret in service.get("secrets") or []:
-        (folder / (secret if isinstance(secret, str) else secret["source"])).write_text("value\n")
-    env = with_secret_files({k: substitute(str(v)) for k, v in (service.get("environment") or {}).items()}, folder)
+    env = {k: substitute(str(v)) for k, v in (service.get("environment") or {}).items()}
+    env = with_secret_files(env, Path(tempfile.mkdtemp()))
     for key in list(os.environ):
         if key.startswith("DLC_") and key not in env:
             monkeypatch.delenv(key)
