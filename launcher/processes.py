@@ -110,7 +110,13 @@ def dashboard_token_for(ccfg: CoordinatorConfig) -> str | None:
     auth_token is set (the page and the URL the launcher prints never carry the write token), else None."""
     if ccfg.dashboard_token:
         return ccfg.dashboard_token
-    return secrets.token_urlsafe(24) if ccfg.auth_token else None
+    return random_token() if ccfg.auth_token else None
+
+
+def random_token() -> str:
+    """A new random coordinator token: 48 hex digits, as docker/make-secrets.sh writes (never a leading `-`, which
+    token_urlsafe gives one time in 64 and argparse then reads as an option: `dlcctl --token -x...` failed)."""
+    return secrets.token_hex(24)
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ def role_tokens_for(ccfg: CoordinatorConfig) -> RoleTokens:
     """coordinator.sampler_token and trainer_token, each else a random one when auth_token is set (the samplers and
     the trainer then never hold the write token), else None (no token: the coordinator checks none)."""
     def make(configured: str | None) -> str | None:
-        return configured or (secrets.token_urlsafe(24) if ccfg.auth_token else None)
+        return configured or (random_token() if ccfg.auth_token else None)
 
     return RoleTokens(sampler=make(ccfg.sampler_token), trainer=make(ccfg.trainer_token))
 

@@ -35,7 +35,7 @@ def dlcctl_batches(stack: Any, limit: int = 1000) -> dict[str, Any]:
 
     out, err = io.StringIO(), io.StringIO()
     token = stack.cfg.coordinator.auth_token
-    code = dlcctl_main(["--address", stack.address, *(["--token", token] if token else []), "--json", "batches",
+    code = dlcctl_main(["--address", stack.address, *([f"--token={token}"] if token else []), "--json", "batches",
                         "--limit", str(limit)], out=out, err=err)
     assert code == 0, err.getvalue()
     return json.loads(out.getvalue())

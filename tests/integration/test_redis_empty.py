@@ -21,7 +21,9 @@ from tests.integration.stacks import dlcctl_batches, stack_config
 from tests.integration.test_restarts import SMALL_RUN, check_trained_once_in_order
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
-STEPS = 24
+STEPS = 32
+"""Room for the last wipe: it waits for a poll that sees a publish after the last checkpoint (publishes every 3 steps,
+checkpoints every 4, a poll every POLL_S may skip rows); 24 steps once ran out before one came."""
 WIPES = 3
 """The last one with the trainer killed too: it resumes from its checkpoint and needs batches whose rollouts Redis
 lost after it had trained them. The coordinator re-issues their slots as each stalls (`batch_stall_s`), the samplers

@@ -442,6 +442,8 @@ def test_the_launcher_gives_each_service_its_roles_token_only(tmp_path):
     made = role_tokens_for(cfg.coordinator)
     assert made.sampler and made.trainer and len({made.sampler, made.trainer, "write-0123"}) == 3
     assert role_tokens_for(cfg.coordinator) != made  # new per run
+    # hex, as make-secrets.sh writes: never a leading `-` (argparse took `dlcctl --token -x...` for an option)
+    assert all(re.fullmatch(r"[0-9a-f]{48}", token) for token in (made.sampler, made.trainer))
     specs = service_specs(cfg=cfg, config_path=tmp_path / "config.toml", redis_url="redis://127.0.0.1:1/0",
                           model_dir="/models/tiny", coordinator_port=50051, dashboard_token="read-0123",
                           weights_port=8091, role_tokens=made)
