@@ -57,6 +57,7 @@ async def serve(cfg: RunConfig) -> int:
         server = CoordinatorServer(cfg, coordinator, metrics=metrics)
         stopping = stop_event()
         await server.start()
+        server.starting_model.start()  # hashed in the background: the samplers that fetch the model check it
         timeline(logger, "coordinator serving")
         await stopping.wait()
         logger.info("signal received: stopping")

@@ -7,6 +7,7 @@
     dlcctl plan K                    the plan of batch K (prompt groups, task ids, ledger status)
     dlcctl batches [--status S]      ledger entries (planned / complete / trained)
     dlcctl eval [--set S]            evaluations while training: avg@n, pass@k... per version and eval set
+    dlcctl model                     the starting model the coordinator vouches for (its manifest's sha256)
     dlcctl sync --reason TEXT        request a sync: the trainer's next step report answers publish
 
 Tables for people; `--json` prints the reply as JSON for scripts (field names as in
@@ -380,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     evals = commands.add_parser("eval", parents=[common], help="evaluations while training, newest version first")
     evals.add_argument("--set", dest="eval_set", default="", help="only this eval set")
     evals.add_argument("--limit", type=int, default=100, help="the newest N rounds (default 100)")
+    commands.add_parser("model", parents=[common],
+                        help="the starting model the coordinator vouches for: its manifest's sha256 (samplers check "
+                             "the weight server's against it)")
     sync = commands.add_parser("sync", parents=[common], help="request a sync at the trainer's next step")
     sync.add_argument("--reason", required=True, help="why (recorded in the sync history)")
     return parser
@@ -422,6 +426,8 @@ def _request(args: argparse.Namespace) -> tuple[str, Message]:
         return "ListBatches", pb.ListBatchesRequest(status=status, start_batch_id=args.start, limit=args.limit)
     if command == "eval":
         return "ListEvals", pb.ListEvalsRequest(limit=args.limit, eval_set=args.eval_set)
+    if command == "model":
+        return "GetStartingModel", pb.GetStartingModelRequest()
     if command == "sync":
         return "TriggerSync", pb.TriggerSyncRequest(reason=args.reason)
     raise AssertionError(command)  # argparse restricts the choices
@@ -443,6 +449,10 @@ def _format(args: argparse.Namespace, reply: Any, now: float) -> str:
         return _format_batches(reply)
     if command == "eval":
         return _format_evals(reply)
+    if command == "model":
+        return (f"starting model {reply.name_or_path}: {reply.num_files} files, {reply.num_bytes / 1e9:.2f} GB\n"
+                f"manifest sha256 {reply.manifest_sha256} (of the weight server's /v1/model/manifest.json as "
+                "canonical JSON)")
     if command == "sync":
         return (
             "sync requested: the trainer's next step report answers publish "

@@ -47,6 +47,7 @@ from coordinator.errors import (
 from coordinator.read_cache import ReadCache
 from coordinator.samplers import LIVE, UNHEALTHY, new_session, session_digest
 from coordinator.service import Coordinator
+from coordinator.starting_model import ModelUnreadable, NotReady, StartingModel
 from coordinator.syncs import WeightBroadcaster
 from coordinator.worker import READ, CoordinatorThread
 from protos import coordinator_pb2 as pb
@@ -74,16 +75,19 @@ TRAINER_METHODS = _full("MarkBatchComplete", "ReportBatchProgress", "ReportStep"
 """The trainer's calls that change the run (trainer_svc, rlcommon.coordinator_api.Coordinator)."""
 READ_METHODS = _full("GetStatus", "ListSamplers", "ListSyncs", "GetBatchPlan", "ListBatches", "ListEvals")
 """Methods that only read."""
+MODEL_METHODS = _full("GetStartingModel")
+"""What every role may ask: the starting model's digest, which a sampler checks the weight server's model against."""
 STATE_CHANGING_METHODS = SAMPLER_METHODS | TRAINER_METHODS | _full("TriggerSync")
 """Methods that change the run's state (TriggerSync: the operator's only)."""
 METHOD_ROLES: dict[str, frozenset[str]] = {
     **{method: frozenset({OPERATOR, SAMPLER}) for method in SAMPLER_METHODS},
     **{method: frozenset({OPERATOR, TRAINER}) for method in TRAINER_METHODS},
     **{method: frozenset({OPERATOR, TRAINER, READ_ROLE}) for method in READ_METHODS},
+    **{method: frozenset({OPERATOR, TRAINER, SAMPLER, READ_ROLE}) for method in MODEL_METHODS},
     f"/{SERVICE_NAME}/TriggerSync": frozenset({OPERATOR}),
 }
 """Which roles' tokens each Coordinator method takes (coordinator/auth.py); a method missing here takes the write
-token only. The samplers read nothing (they need no read), the trainer reads status and plans."""
+token only. The samplers read nothing but the starting model's digest, the trainer reads status and plans."""
 
 _CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -106,8 +110,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         max_reads_in_flight: int = 16,
         read_cache_s: float = 1.0,
         tokens: RoleTokens | None = None,
+        starting_model: StartingModel,
     ) -> None:
         self._core = coordinator
+        self._starting_model = starting_model
         self._tokens = tokens
         self._run = run
         self._submit = submit
@@ -311,6 +317,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     # --------------------------------------------------------------------------------------- anyone
 
+    async def GetStartingModel(self, request: pb.GetStartingModelRequest, context) -> pb.GetStartingModelResponse:
+        try:
+            digest = self._starting_model.digest()
+        except NotReady as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except ModelUnreadable as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return pb.GetStartingModelResponse(name_or_path=digest.name_or_path, manifest_sha256=digest.manifest_sha256,
+                                           num_files=digest.num_files, num_bytes=digest.num_bytes)
+
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.GetStatusResponse:
         return convert.status_pb(await self._read(context, request, self._core.status))
 
@@ -371,8 +387,12 @@ class CoordinatorServer:
         port: int | None = None,
         metrics: Any | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        starting_model: StartingModel | None = None,
     ) -> None:
         self.cfg = cfg
+        self.starting_model = starting_model or StartingModel.from_config(cfg.model, cfg.task)
+        """What GetStartingModel vouches for: hashed from its `start()` (`python -m coordinator` calls it at start-up) or
+        the first call."""
         self._extra_interceptors = list(interceptors)
         """Run after the token check (tracing, fault injection in tests)."""
         self.coordinator = coordinator
@@ -493,6 +513,7 @@ class CoordinatorServer:
         servicer = CoordinatorServicer(
             self.coordinator, run=self.run, broadcaster=self._broadcaster, submit=self._submit,
             max_reads_in_flight=ccfg.max_reads_in_flight, read_cache_s=ccfg.read_cache_s, tokens=tokens,
+            starting_model=self.starting_model,
         )
         self.servicer = servicer
         pb_grpc.add_CoordinatorServicer_to_server(servicer, server)

@@ -617,3 +617,19 @@ class ListEvalsResponse(_message.Message):
     evals: _containers.RepeatedCompositeFieldContainer[EvalEntry]
     num_rounds: int
     def __init__(self, evals: _Optional[_Iterable[_Union[EvalEntry, _Mapping]]] = ..., num_rounds: _Optional[int] = ...) -> None: ...
+
+class GetStartingModelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStartingModelResponse(_message.Message):
+    __slots__ = ("name_or_path", "manifest_sha256", "num_files", "num_bytes")
+    NAME_OR_PATH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    NUM_FILES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name_or_path: str
+    manifest_sha256: str
+    num_files: int
+    num_bytes: int
+    def __init__(self, name_or_path: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., num_files: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...

@@ -115,6 +115,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.ListEvalsRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.ListEvalsResponse.FromString,
                 _registered_method=True)
+        self.GetStartingModel = channel.unary_unary(
+                '/dlc.coordinator.v1.Coordinator/GetStartingModel',
+                request_serializer=protos_dot_coordinator__pb2.GetStartingModelRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.GetStartingModelResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -262,6 +267,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStartingModel(self, request, context):
+        """Samplers and readers: the starting model (`model.name_or_path`) as the coordinator vouches for it: the digest
+        of its manifest, hashed by the coordinator from its own copy of the model folder (rlcommon/model_manifest.py).
+        A sampler that fetches the model from the weight server checks the server's manifest against it before it
+        downloads a byte. UNAVAILABLE while the coordinator is still hashing (seconds per GB, in the background after
+        its start: retry); FAILED_PRECONDITION when it cannot read the model (the details say why).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -344,6 +360,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListEvals,
                     request_deserializer=protos_dot_coordinator__pb2.ListEvalsRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.ListEvalsResponse.SerializeToString,
+            ),
+            'GetStartingModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStartingModel,
+                    request_deserializer=protos_dot_coordinator__pb2.GetStartingModelRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.GetStartingModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -779,6 +800,33 @@ class Coordinator:
             '/dlc.coordinator.v1.Coordinator/ListEvals',
             protos_dot_coordinator__pb2.ListEvalsRequest.SerializeToString,
             protos_dot_coordinator__pb2.ListEvalsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStartingModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlc.coordinator.v1.Coordinator/GetStartingModel',
+            protos_dot_coordinator__pb2.GetStartingModelRequest.SerializeToString,
+            protos_dot_coordinator__pb2.GetStartingModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,8 @@ and credentials are rlcommon/rpc.py's clients; each call keeps their retry rule 
 
     Coordinator        blocking: report_step, mark_batch_complete, report_batch_progress, announce_published,
                        status, syncs, fleet; `from_config` sends the trainer's token (role trainer)
-    AsyncCoordinator   asyncio (a sampler): register, weight_updates, ack_weight_version, heartbeat, leave_fleet;
+    AsyncCoordinator   asyncio (a sampler): register, weight_updates, ack_weight_version, heartbeat, leave_fleet,
+                       starting_model_sha256;
                        `from_config` sends the samplers' token (role sampler), and every call after `register`
                        carries the session that registration was given (protos/coordinator.proto)
 
@@ -301,6 +302,12 @@ class AsyncCoordinator:
             sampler_id=sampler_id, done=done, reason=reason, session=self.sessions.get(sampler_id, ""),
         ), timeout_s=timeout_s, retry=retry)
         return reply.tasks_reissued
+
+    async def starting_model_sha256(self) -> str:
+        """The digest of the starting model's manifest that the coordinator vouches for (rlcommon/model_manifest.py),
+        asked again while it is still hashing (UNAVAILABLE); an RpcError for anything else."""
+        reply = await self.client.call("GetStartingModel", pb.GetStartingModelRequest())
+        return reply.manifest_sha256
 
     async def close(self) -> None:
         await self.client.close()

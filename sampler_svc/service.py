@@ -146,9 +146,17 @@ class SamplerService:
         check_reward_config(cfg.reward, cfg.task, pass_component=cfg.eval.pass_component)
         self.metrics = MetricsSink(service="sampler")
         self.rewards = await RewardRunner(cfg.reward, kinds=[cfg.task.kind], metrics=self.metrics).start()
+        self.coordinator = AsyncCoordinator.from_config(cfg.coordinator)
         if self.fetcher is not None:  # no shared storage: the starting model comes from the weight server too
             await asyncio.to_thread(self.fetcher.start_fresh)
-            self.model_dir = await self.fetcher.fetch_model()
+            # checked against the digest the coordinator vouches for (it hashes its own copy), not the server's word
+            try:
+                expected = await self.coordinator.starting_model_sha256()
+            except grpc.RpcError as err:
+                details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+                raise WeightsError(f"the coordinator did not vouch for the starting model, so it is not fetched from "
+                                   f"{cfg.sampler.weights_url}: {details}") from None
+            self.model_dir = await self.fetcher.fetch_model(expected_sha256=expected)
         else:
             self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
         self.engine = await SamplerEngine(model_dir=self.model_dir, sampler=cfg.sampler, sampling=cfg.sampling,
@@ -164,7 +172,6 @@ class SamplerService:
         # The trainer trims the rollouts it acked: a sampler may not XTRIM (it could drop unread rollouts).
         self.producer = StreamProducer.from_config(self.conn, cfg.bus, ROLLOUTS, trim=False)
         self.outbox = Outbox(self.producer, self.consumer)
-        self.coordinator = AsyncCoordinator.from_config(cfg.coordinator)
         start_metrics_server(cfg.sampler.metrics_port, cfg.sampler.metrics_host)
         await self.register()
         if self.wanted_update is not None:  # published before this sampler started: loaded before any task

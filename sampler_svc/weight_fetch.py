@@ -1,9 +1,12 @@
 """A sampler's weight channel over HTTP(S): each announced version pulled from the weight server into the
 sampler's own folder, whole and verified, before the engine pauses to load it (`sampler.weight_transfer = "http"`).
 
-    fetch_model() -> Path                              the run's starting model, `<weights_dir>/model` (engine start)
+    fetch_model(expected_sha256) -> Path               the run's starting model, `<weights_dir>/model` (engine start)
     fetch(update, local_version) -> FetchReport     the version folder `<weights_dir>/v000012`, ready to load
 
+0. The starting model's manifest (`/v1/model/manifest.json`) must have the digest the coordinator vouches for
+   (GetStartingModel: it hashes its own copy of the model; rlcommon/model_manifest.py), checked before a byte of
+   the model is written; its files are checked against it as a version's are.
 1. The announced manifest (`/v1/weights/v000012/manifest.json`) must hash to the update's sha256 (the coordinator
    said so over its authenticated channel); every other byte is checked against it, link by link.
 2. Every manifest is checked before a byte is written (`_checked_manifest`): each file name is a plain name
@@ -50,6 +53,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from rlcommon.model_manifest import manifest_digest
 from rlcommon.weight_chain import ChainError, FetchPlan, delta_base, fetch_plan, manifest_copy_name
 from rlcommon.weight_delta import DeltaError, apply_delta
 from rlcommon.weight_store import (
@@ -222,11 +226,13 @@ class WeightFetcher:
             if entry.name != MODEL_DIR:
                 _clear_entry(entry)
 
-    async def fetch_model(self, *, wait_max_s: float = 10.0) -> Path:
+    async def fetch_model(self, *, expected_sha256: str | None, wait_max_s: float = 10.0) -> Path:
         """The run's starting model (`/v1/model/`: the weight server's `model.name_or_path`) in `<root>/model`,
-        every file checked against the server's manifest; files already there with the right hash are kept. Waits
-        for a server that does not answer yet (it may start after this sampler), retrying every 0.2 s doubling to
-        `wait_max_s`; WeightsError for anything else (the downloads within `deadline_s`)."""
+        every file checked against the server's manifest; files already there with the right hash are kept. The
+        manifest itself must have `expected_sha256` as its digest (`rlcommon.model_manifest.manifest_digest`: what
+        the coordinator vouches for), checked before a byte of the model is written; None checks nothing (tests of
+        the server alone). Waits for a server that does not answer yet (it may start after this sampler), retrying
+        every 0.2 s doubling to `wait_max_s`; WeightsError for anything else (the downloads within `deadline_s`)."""
         report = FetchReport(folder=self.root / MODEL_DIR, plan=FetchPlan(None, ()))
         delay = 0.2
         while True:
@@ -239,7 +245,14 @@ class WeightFetcher:
                 logger.info("waiting for the weight server (%s); next try in %.1f s", err, delay)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, wait_max_s)
-        files = checked_files(_parse_json(data), f"weight server {self.base_url}: the model manifest")
+        manifest = _parse_json(data)
+        if expected_sha256 is not None and (got := manifest_digest(manifest)) != expected_sha256:
+            raise WeightsError(
+                f"weight server {self.base_url}: the starting model's manifest (sha256 {got}) is not the one the "
+                f"coordinator vouches for ({expected_sha256}): refused before any download. The weight server serves "
+                "another model than the coordinator's model.name_or_path (a stale or different model folder on its "
+                "node, or not the run's weight server)")
+        files = checked_files(manifest, f"weight server {self.base_url}: the model manifest")
         try:
             await self._within_deadline("the starting model", self._model_files(files, report))
         except OSError as err:

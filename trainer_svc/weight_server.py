@@ -37,13 +37,13 @@ from pathlib import Path
 from aiohttp import web
 
 from rlcommon.config import RunConfig
+from rlcommon.model_manifest import model_manifest
 from rlcommon.weight_store import (
     DELTAS_DIR,
     TMP_PREFIX,
     latest_version,
     plain_file_name,
     published_versions,
-    sha256_file,
 )
 
 __all__ = ["make_app", "serve", "main"]
@@ -70,15 +70,6 @@ def _plain_file_inside(folder: Path, name: str) -> Path:
     if real.parent != real_folder or not real.is_file():
         raise web.HTTPNotFound(text=f"no file {name!r}")
     return real
-
-
-def model_manifest(model_dir: str | Path) -> dict:
-    """The starting model's manifest: every plain file directly in its folder (links followed: a hub snapshot's
-    files are links into its blob store), name -> sha256, and their sizes."""
-    folder = Path(model_dir)
-    files = {p.name: p.resolve() for p in sorted(folder.iterdir()) if plain_file_name(p.name) and p.resolve().is_file()}
-    return {"files": {name: sha256_file(path) for name, path in files.items()},
-            "sizes": {name: path.stat().st_size for name, path in files.items()}}
 
 
 class FileInTurn(web.FileResponse):
@@ -162,7 +153,8 @@ MODEL_WAIT_S = 2.0
 
 async def _resolved_model(cfg: RunConfig, stopping: asyncio.Event) -> Path | None:
     """The run's model folder. The server reads the shared volume read-only, so a preset not built yet is waited for:
-    the coordinator builds it at its start, and under Docker Swarm nothing orders the two. None when `stopping` is set first."""
+    the trainer builds it (the coordinator finds a hub model, but its image has no torch to build a preset), and
+    nothing orders the two. None when `stopping` is set first."""
     from rlcommon.models import resolve_model
 
     waited = 0.0
@@ -174,7 +166,7 @@ async def _resolved_model(cfg: RunConfig, stopping: asyncio.Event) -> Path | Non
                 raise
             if waited % 60 == 0:
                 logger.info("model %s is not in %s yet and this server may not write there (%s): waiting for the "
-                            "coordinator to resolve it (%.0f s so far)", cfg.model.name_or_path, cfg.model.cache_dir,
+                            "trainer to build it (%.0f s so far)", cfg.model.name_or_path, cfg.model.cache_dir,
                             err.strerror, waited)
         try:
             await asyncio.wait_for(stopping.wait(), MODEL_WAIT_S)

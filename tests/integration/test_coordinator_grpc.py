@@ -27,6 +27,7 @@ from coordinator import dlcctl
 from coordinator.errors import StartupError
 from coordinator.server import SERVICE_NAME, CoordinatorServer
 from coordinator.service import Coordinator
+from coordinator.starting_model import StartingModel
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from rlcommon import wire
@@ -50,14 +51,15 @@ class Harness:
     """A CoordinatorServer on its own event-loop thread, plus a blocking channel and stub to it."""
 
     def __init__(self, cfg: RunConfig, redis_url: str, *, port: int = 0, interceptors=(), reconnect_max_s: float = 2.0,
-                 socket_timeout_s: float | None = 30.0) -> None:
+                 socket_timeout_s: float | None = 30.0, starting_model: StartingModel | None = None) -> None:
         self.cfg = cfg
         self.conn = RedisConnection(redis_url, reconnect_max_s=reconnect_max_s, socket_timeout_s=socket_timeout_s)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.coordinator = Coordinator(cfg, conn=self.conn, encode=CharTokenizer().encode)
-        self.server = CoordinatorServer(cfg, self.coordinator, host="127.0.0.1", port=port, interceptors=interceptors)
+        self.server = CoordinatorServer(cfg, self.coordinator, host="127.0.0.1", port=port, interceptors=interceptors,
+                                        starting_model=starting_model)
         self._await(self.server.start())
         self.address = self.server.address
         self.channel = self._channel()
@@ -87,11 +89,16 @@ class Harness:
 
 
 @pytest.fixture
-def start_server(redis_url):
+def start_server(redis_url, tmp_path):
     started: list[Harness] = []
+    model_dir = tmp_path / "starting-model"  # what GetStartingModel vouches for: a model folder of two small files
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"vocab_size": 64}')
+    (model_dir / "model.safetensors").write_bytes(bytes(range(256)) * 4)
 
     def start(*, _port: int = 0, _interceptors=(), **coordinator: object) -> Harness:
-        harness = Harness(make_config(**coordinator), redis_url, port=_port, interceptors=_interceptors)
+        harness = Harness(make_config(**coordinator), redis_url, port=_port, interceptors=_interceptors,
+                          starting_model=StartingModel("test-model", lambda: model_dir))
         started.append(harness)
         return harness
 
@@ -941,6 +948,7 @@ SAMPLER_CALLS = ("RegisterSampler", "SubscribeWeightUpdates", "AckWeightVersion"
 TRAINER_CALLS = ("MarkBatchComplete", "ReportBatchProgress", "ReportStep", "AnnouncePublished")
 READ_CALLS = ("GetStatus", "ListSamplers", "ListSyncs", "GetBatchPlan", "ListBatches", "ListEvals")
 ALLOWED = {
+    "GetStartingModel": {"operator", "trainer", "sampler", "read"},
     **{call: {"operator", "sampler"} for call in SAMPLER_CALLS},
     **{call: {"operator", "trainer"} for call in TRAINER_CALLS},
     **{call: {"operator", "trainer", "read"} for call in READ_CALLS},
@@ -972,7 +980,10 @@ def call_as(harness: Harness, role: str, call: str, sampler_id: str, session: st
         "ListSyncs": pb.ListSyncsRequest(), "GetBatchPlan": pb.GetBatchPlanRequest(batch_id=0),
         "ListBatches": pb.ListBatchesRequest(), "ListEvals": pb.ListEvalsRequest(),
         "TriggerSync": pb.TriggerSyncRequest(reason=f"by {role}"),
+        "GetStartingModel": pb.GetStartingModelRequest(),
     }
+    if call == "GetStartingModel":
+        harness.server.starting_model.wait(30)  # hashed in its thread: the answer is the digest, not UNAVAILABLE
     if call == "SubscribeWeightUpdates":
         sub = Subscription(stub, sampler_id, 0, metadata=metadata, session=session)
         try:
@@ -1013,6 +1024,73 @@ def test_every_call_takes_the_tokens_of_its_roles_only(start_server):
     status = harness.stub.GetStatus(pb.GetStatusRequest(), metadata=auth())
     assert sorted(s.sampler_id for s in status.samplers) == ["s-operator", "s-sampler"]  # no other role registered
     assert list(status.pending_manual_triggers) == ["by operator"]  # the trainer's and the others' were refused
+
+
+def served_manifest_digest(model_dir: Path) -> str:
+    """The digest of /v1/model/manifest.json as the weight server answers it over HTTP for `model_dir`."""
+    from aiohttp import ClientSession, web
+
+    from rlcommon.model_manifest import manifest_digest
+    from trainer_svc.weight_server import make_app
+
+    async def go() -> str:
+        runner = web.AppRunner(make_app(model_dir.parent / "published", tokens=[], model_dir=model_dir))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            async with ClientSession() as session, session.get(
+                    f"http://127.0.0.1:{runner.addresses[0][1]}/v1/model/manifest.json") as response:
+                assert response.status == 200
+                return manifest_digest(json.loads(await response.read()))
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(go())
+
+
+def test_the_starting_model_is_vouched_for_as_the_weight_server_serves_it(redis_url, tmp_path):
+    """GetStartingModel: UNAVAILABLE (which clients retry) while the coordinator hashes its copy of the model (its
+    resolve held back here), then the digest of the very manifest the weight server serves over HTTP for the same
+    folder, which a sampler checks before it fetches; FAILED_PRECONDITION naming the reason when the coordinator
+    cannot resolve the model."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"vocab_size": 64}')
+    (model_dir / "model.safetensors").write_bytes(os.urandom(3000))
+    os.symlink(model_dir / "model.safetensors", model_dir / "linked.safetensors")  # a hub snapshot's links
+    (tmp_path / "nowhere").mkdir()  # a folder without config.json: not a model
+    gate = threading.Event()
+
+    def held_back() -> Path:
+        assert gate.wait(30)
+        return model_dir
+
+    harness = Harness(make_config(sync_policy="never"), redis_url,
+                      starting_model=StartingModel("my-model", held_back))
+    try:
+        busy = rpc_error(harness.stub.GetStartingModel, pb.GetStartingModelRequest())
+        assert busy.code() == grpc.StatusCode.UNAVAILABLE and "still hashing the starting model 'my-model'" in \
+            busy.details()
+        gate.set()
+        harness.server.starting_model.wait(30)
+        reply = harness.stub.GetStartingModel(pb.GetStartingModelRequest())
+        assert reply.manifest_sha256 == served_manifest_digest(model_dir)
+        assert (reply.name_or_path, reply.num_files, reply.num_bytes) == ("my-model", 3, 3000 + 3000 + 18)
+    finally:
+        gate.set()
+        harness.stop()
+    not_a_model = load_config(RunConfig, [], {"model": {"name_or_path": str(tmp_path / "nowhere")}})
+    missing = Harness(make_config(sync_policy="never"), redis_url,
+                      starting_model=StartingModel.from_config(not_a_model.model, not_a_model.task))
+    try:
+        missing.server.starting_model.wait(30)
+        refused = rpc_error(missing.stub.GetStartingModel, pb.GetStartingModelRequest())
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"cannot read the starting model {str(tmp_path / 'nowhere')!r}" in refused.details()
+        assert "has no config.json" in refused.details()
+    finally:
+        missing.stop()
 
 
 def test_the_samplers_token_cannot_publish_report_or_trigger(start_server):

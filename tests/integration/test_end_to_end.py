@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import redis
@@ -26,7 +27,7 @@ def dlcctl(stack, *args: str) -> dict:
     from coordinator.dlcctl import main as dlcctl_main
 
     out, err = io.StringIO(), io.StringIO()
-    code = dlcctl_main(["--address", stack.address, "--token", stack.dashboard_token, "--json", *args], out=out,
+    code = dlcctl_main(["--address", stack.address, f"--token={stack.dashboard_token}", "--json", *args], out=out,
                        err=err)
     assert code == 0, err.getvalue()
     return json.loads(out.getvalue())
@@ -49,6 +50,7 @@ def finished_run(tmp_path_factory):
         live["batches"] = dlcctl(stack, "batches")
         live["samplers"] = dlcctl(stack, "samplers")
         live["syncs"] = dlcctl(stack, "syncs")
+        live["model"] = dlcctl(stack, "model")
         live["prometheus"].update({name: scrape(stack.log_dir / f"{name}.log") for name in ("coordinator", "sampler-0")})
         live["redis_urls"] = {"admin": stack.redis_url, **{name: spec.env["DLC_REDIS__URL"] for name, spec in stack.specs.items()}}
         live["tokens"] = {name: {k: v for k, v in spec.env.items() if k.startswith("DLC_COORDINATOR__") and
@@ -65,7 +67,8 @@ def finished_run(tmp_path_factory):
                 pass  # it finished between the poll and the scrape
 
     summary = run(cfg, progress_bar=False, before_stop=before_stop, on_progress=on_progress)
-    return {"summary": summary, "live": live, "run_dir": run_dir, "rows": read_jsonl(run_dir / "metrics.jsonl")}
+    return {"summary": summary, "live": live, "run_dir": run_dir, "rows": read_jsonl(run_dir / "metrics.jsonl"),
+            "cfg": cfg}
 
 
 def test_every_planned_batch_trained_exactly_once_in_order(finished_run):
@@ -118,6 +121,21 @@ def test_dlcctl_status_agrees_with_summary(finished_run):
     assert int(status["batches"]["trained_through"]) == summary["batches_trained"][-1]
     assert int(status["last_step"]["step"]) == STEPS - 1
     assert status["sync_policy"] == "ess"
+
+
+def test_dlcctl_model_is_the_digest_of_the_runs_model_as_the_weight_server_serves_it(finished_run):
+    """What the coordinator vouches for (hashed from its own copy at its start) is the digest of the manifest the
+    weight server builds for the run's model folder: the samplers that fetch the model check the one against the
+    other."""
+    from rlcommon.model_manifest import manifest_digest, model_manifest
+    from rlcommon.models import resolve_model
+
+    cfg = finished_run["cfg"]
+    model = finished_run["live"]["model"]
+    folder = resolve_model(cfg.model, cfg.task)
+    assert model["manifest_sha256"] == manifest_digest(model_manifest(folder))
+    # the services' config names the folder the launcher resolved the model to
+    assert (Path(model["name_or_path"]), int(model["num_files"])) == (folder, len(model_manifest(folder)["files"]))
 
 
 def test_run_folder_has_plots_metrics_and_logs(finished_run):

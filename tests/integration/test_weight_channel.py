@@ -253,16 +253,27 @@ def test_the_server_serves_only_whole_version_files_to_a_token(server, published
     run(go())
 
 
+def vouched_digest(model_dir: Path) -> str:
+    """What the coordinator vouches for, computed as it does (coordinator/starting_model.py, its own thread)."""
+    from coordinator.starting_model import StartingModel
+
+    model = StartingModel("tiny", lambda: model_dir)
+    model.wait(60)
+    return model.digest().manifest_sha256
+
+
 def test_a_sampler_without_the_model_starts_from_the_servers(server, tiny_model_dir, tmp_path):
     """The starting model (model.name_or_path, resolved by the weight server) is served with its hashes: a sampler
-    on a node without it fetches it once; a file that went bad locally is fetched again, the rest kept."""
+    on a node without it fetches it once, its manifest checked against the digest the coordinator computes from
+    its own copy; a file that went bad locally is fetched again, the rest kept."""
     root = tmp_path / "sampler"
+    expected = vouched_digest(tiny_model_dir)
 
     async def go():
         f = fetcher(server, root)
         f.start_fresh()
         try:
-            return await f.fetch_model()
+            return await f.fetch_model(expected_sha256=expected)
         finally:
             await f.close()
 
@@ -271,6 +282,31 @@ def test_a_sampler_without_the_model_starts_from_the_servers(server, tiny_model_
     (folder / "config.json").write_text("{}")
     (root / "v000003").mkdir()  # an earlier process's fetch: dropped, the model kept
     assert same_files(run(go()), tiny_model_dir) and sorted(p.name for p in root.iterdir()) == ["model"]
+
+
+def test_a_weight_server_with_another_model_than_the_coordinators_is_refused(server, tiny_model_dir, tmp_path):
+    """The weight server serves the tiny model; the coordinator vouches for a model that differs in one byte of
+    one file (its own copy): the sampler refuses the server's manifest, naming both digests, before it writes a
+    byte of the model."""
+    other = tmp_path / "coordinators-model"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rope_theta": config.get("rope_theta", 1e4) + 1}))
+    served, vouched = vouched_digest(tiny_model_dir), vouched_digest(other)
+    assert served != vouched
+    root = tmp_path / "sampler"
+
+    async def go():
+        f = fetcher(server, root)
+        try:
+            return await f.fetch_model(expected_sha256=vouched)
+        finally:
+            await f.close()
+
+    with pytest.raises(WeightsError, match=f"sha256 {served}.* not the one the coordinator vouches for "
+                                           f"\\({vouched}\\): refused before any download"):
+        run(go())
+    assert not (root / "model").exists() or list((root / "model").iterdir()) == []
 
 
 def test_the_images_healthcheck_asks_the_weight_server(server):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import random
 import re
 import time
@@ -27,6 +28,7 @@ from aiohttp import ClientSession, web
 
 from rlcommon.config import RunConfig, SamplerConfig
 from rlcommon.coordinator_api import WeightUpdate
+from rlcommon.model_manifest import manifest_digest
 from rlcommon.weight_chain import ChainError, FetchPlan, fetch_plan, manifest_copy_name
 from rlcommon.weight_delta import encode_delta
 from rlcommon.weight_store import MANIFEST_NAME, WeightsError, load_version, version_folder
@@ -102,6 +104,47 @@ def test_a_model_manifest_name_outside_the_folder_is_refused_before_any_byte_is_
     run(go())
     assert server.asked == ["/v1/model/manifest.json"]
     assert entries_outside(sandbox, root) == []
+
+
+def test_a_model_the_coordinator_does_not_vouch_for_is_refused_before_any_byte_is_written(tmp_path):
+    """A weight server that serves another model, consistent in itself (every file with its right hash, and a
+    model folder already holding the vouched model's files): refused on its manifest's digest alone, with both
+    digests named; nothing is asked past the manifest and the files already there are left as they were. The
+    vouched model itself, served the same way, is fetched and its manifest's layout (indent, key order) does not
+    matter, only what it says."""
+    root = tmp_path / "fetch"
+    (root / "model").mkdir(parents=True)
+    (root / "model" / "config.json").write_bytes(CONFIG)
+    vouched_files = {"config.json": CONFIG, "model.safetensors": WEIGHTS}
+    other_files = {"config.json": CONFIG, "model.safetensors": WEIGHTS[::-1]}
+    vouched = manifest_digest({"files": {n: sha(d) for n, d in vouched_files.items()},
+                               "sizes": {n: len(d) for n, d in vouched_files.items()}})
+
+    def model_answers(files: dict[str, bytes], *, layout: dict) -> dict[str, bytes]:
+        manifest = {"sizes": {n: len(d) for n, d in files.items()}, "files": {n: sha(d) for n, d in files.items()}}
+        return {"/v1/model/manifest.json": json.dumps(manifest, **layout).encode(),
+                **{f"/v1/model/{name}": data for name, data in files.items()}}
+
+    other = HostileServer(model_answers(other_files, layout={"indent": 2, "sort_keys": True}))
+
+    async def refused():
+        async with other as url:
+            with pytest.raises(WeightsError, match=f"manifest \\(sha256 [0-9a-f]{{64}}\\) is not the one the "
+                                                   f"coordinator vouches for \\({vouched}\\)"):
+                await fetch_model_once(url, root, expected_sha256=vouched)
+
+    run(refused())
+    assert other.asked == ["/v1/model/manifest.json"]
+    assert sorted(p.name for p in (root / "model").iterdir()) == ["config.json"]
+    assert (root / "model" / "config.json").read_bytes() == CONFIG
+    same = HostileServer(model_answers(vouched_files, layout={}))  # one line, keys in another order
+
+    async def fetched():
+        async with same as url:
+            return await fetch_model_once(url, root, expected_sha256=vouched)
+
+    folder = run(fetched())
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == vouched_files
 
 
 def test_a_link_in_the_model_folder_is_replaced_never_followed(tmp_path):

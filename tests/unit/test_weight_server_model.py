@@ -38,7 +38,7 @@ def test_a_read_only_cache_is_waited_on_until_the_model_is_there(cfg, monkeypatc
                                           OSError(errno.EACCES, "Permission denied")], tmp_path)
     with caplog.at_level("INFO"):
         assert asyncio.run(weight_server._resolved_model(cfg, asyncio.Event())) == tmp_path
-    assert len(calls) == 3 and "waiting for the coordinator to resolve it" in caplog.text
+    assert len(calls) == 3 and "waiting for the trainer to build it" in caplog.text
 
 
 def test_stopping_ends_the_wait_and_other_errors_are_not_waited_on(cfg, monkeypatch, tmp_path):

@@ -80,10 +80,11 @@ async def fetch_once(url: str, root: Path, version: int, announced: str, *, loca
         await fetcher.close()
 
 
-async def fetch_model_once(url: str, root: Path, **kwargs: Any) -> Path:
+async def fetch_model_once(url: str, root: Path, *, expected_sha256: str | None = None, **kwargs: Any) -> Path:
+    """`fetch_model` once; `expected_sha256` None: the server's manifest is not checked against a vouched digest."""
     fetcher = WeightFetcher(url, root, timeout_s=kwargs.pop("timeout_s", 10), **kwargs)
     try:
-        return await fetcher.fetch_model(wait_max_s=0.5)
+        return await fetcher.fetch_model(expected_sha256=expected_sha256, wait_max_s=0.5)
     finally:
         await fetcher.close()
 
