@@ -257,8 +257,9 @@ class WeightFetcher:
             await self._within_deadline("the starting model", self._model_files(files, report))
         except OSError as err:
             raise WeightsError(f"fetching the starting model into {report.folder}: {err}") from None
-        logger.info("starting model from %s: %d files, %.2f MB fetched", self.base_url, len(files),
-                    report.bytes_fetched / 1e6)
+        logger.info("starting model from %s: %d files, %.2f MB fetched, manifest sha256 %s%s", self.base_url,
+                    len(files), report.bytes_fetched / 1e6, manifest_digest(manifest),
+                    " (the coordinator's)" if expected_sha256 is not None else " (not checked against the coordinator)")
         return report.folder
 
     async def _model_files(self, files: dict[str, tuple[str, int]], report: FetchReport) -> None:

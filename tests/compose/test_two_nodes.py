@@ -146,7 +146,10 @@ def test_a_worker_without_the_shared_volume_trains_with_the_head(nodes):
     joined = re.findall(r"fetched weight version (\d+): (.*)", joiner.logs().decode())
     print(f"{joiner.name} joined: {joined}")
     assert joined and "whole" in joined[0][1]  # the anchor (or the version itself) whole, then deltas
-    assert "starting model from https://head-weights:8091" in joiner.logs().decode()
+    # the model the head's weight server served is the one the coordinator vouches for (hashed from its own copy)
+    vouched = head.dlcctl("model")["manifest_sha256"]
+    assert "starting model from https://head-weights:8091: " in joiner.logs().decode()
+    assert f"manifest sha256 {vouched} (the coordinator's)" in joiner.logs().decode()
 
     # Scaled down to 1: the removed replicas' tasks go to the one left.
     logs = {c.name: c.logs().decode() for c in worker.containers("sampler")}
