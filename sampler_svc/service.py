@@ -76,6 +76,11 @@ class DrainResult:
     seconds: float
 
 
+def rpc_details(err: grpc.RpcError) -> str:
+    """What a failed coordinator call says: its status details (an asyncio call's), else the error's text."""
+    return err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+
+
 async def until_any(events: Iterable[asyncio.Event], tasks: Iterable[asyncio.Future] = (), *,
                     timeout_s: float | None = None) -> None:
     """Return once one of `events` is set or one of `tasks` is done, or after `timeout_s` (the tasks go on)."""
@@ -153,9 +158,8 @@ class SamplerService:
             try:
                 expected = await self.coordinator.starting_model_sha256()
             except grpc.RpcError as err:
-                details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
                 raise WeightsError(f"the coordinator did not vouch for the starting model, so it is not fetched from "
-                                   f"{cfg.sampler.weights_url}: {details}") from None
+                                   f"{cfg.sampler.weights_url}: {rpc_details(err)}") from None
             self.model_dir = await self.fetcher.fetch_model(expected_sha256=expected)
         else:
             self.model_dir = await asyncio.to_thread(resolve_model, cfg.model, cfg.task)
@@ -355,9 +359,8 @@ class SamplerService:
             return await self.coordinator.leave_fleet(sampler_id=self.sampler_id, done=done, reason=reason,
                                                       timeout_s=LEAVE_TIMEOUT_S, retry=False)
         except grpc.RpcError as err:
-            details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
             logger.warning("LeaveFleet (%s) did not reach the coordinator: %s", "done" if done else "draining",
-                           details)
+                           rpc_details(err))
             return None
 
     async def stop_background(self) -> None:

@@ -246,7 +246,8 @@ class WeightFetcher:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, wait_max_s)
         manifest = _parse_json(data)
-        if expected_sha256 is not None and (got := manifest_digest(manifest)) != expected_sha256:
+        got = manifest_digest(manifest)
+        if expected_sha256 is not None and got != expected_sha256:
             raise WeightsError(
                 f"weight server {self.base_url}: the starting model's manifest (sha256 {got}) is not the one the "
                 f"coordinator vouches for ({expected_sha256}): refused before any download. The weight server serves "
@@ -258,7 +259,7 @@ class WeightFetcher:
         except OSError as err:
             raise WeightsError(f"fetching the starting model into {report.folder}: {err}") from None
         logger.info("starting model from %s: %d files, %.2f MB fetched, manifest sha256 %s%s", self.base_url,
-                    len(files), report.bytes_fetched / 1e6, manifest_digest(manifest),
+                    len(files), report.bytes_fetched / 1e6, got,
                     " (the coordinator's)" if expected_sha256 is not None else " (not checked against the coordinator)")
         return report.folder
 
