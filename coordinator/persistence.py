@@ -139,6 +139,8 @@ class RunValues:
     last_step: StepReportView | None = None
     pending_publish: dict[str, Any] | None = None
     """{"step", "reason"} of a publish decided but not announced yet."""
+    lag_used: float = 0.0
+    """Sync policy `lag_budget`: the lag accumulated over the steps reported since the last publish."""
     slots_reissued_archived: int = 0
     """Re-issued slots of the batches archived so far."""
     step_rows: deque[str] = field(default_factory=lambda: deque(maxlen=1))
@@ -170,6 +172,7 @@ class RunValues:
             "trainer_version": self.trainer_version,
             "last_step": self.last_step.__dict__ if self.last_step is not None else None,
             "pending_publish": self.pending_publish,
+            "lag_used": self.lag_used,
         }
 
 
@@ -192,6 +195,7 @@ def load_state(store: CoordinatorStore, ccfg: Any, clock: Callable[[], float]) -
     if "last_step" in values:
         run.last_step = StepReportView(**values["last_step"])
     run.pending_publish = values.get("pending_publish")
+    run.lag_used = float(values.get("lag_used", 0.0))
     run.slots_reissued_archived = int(values.get("slots_reissued_archived", 0))
     run.step_rows.extend(store.load_step_json(ccfg.keep_step_rows))
     run.steps_total = int(values.get("steps_dropped", 0)) + len(run.step_rows)

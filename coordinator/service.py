@@ -54,8 +54,8 @@ from coordinator.persistence import (
 from coordinator.planner import BATCH_STATUSES, BatchCounts, BatchLedger, BatchPlanner, BatchRecord
 from coordinator.samplers import LEFT, LOST, SamplerRegistry, SamplerView, session_digest
 from coordinator.state import CoordinatorStore, StateWrite, TasksStream
-from coordinator.steps import proven_trained, replayed_answer, step_change, sync_decision
-from coordinator.sync_policy import ManualTriggers, PolicyInputError, describe
+from coordinator.steps import predates_publish, proven_trained, replayed_answer, step_change, sync_decision
+from coordinator.sync_policy import ManualTriggers, PolicyInputError, describe, lag_used_after
 from coordinator.syncs import SyncRecord, SyncTracker, WeightUpdateInfo
 from coordinator.versions import WeightVersions
 from coordinator.views import ProgressAnswer, StatusView, StepAnswer, StepReportView
@@ -422,12 +422,16 @@ class Coordinator:
             )
         now = self.clock()
         proven = proven_trained(self.ledger, batch_id, step=step, now=now)
-        decision = sync_decision(self.ccfg, step=step, stats=clean_stats, triggers=self.triggers, syncs=self.syncs)
+        predates = predates_publish(clean_stats, self.published_version)
+        decision = sync_decision(self.ccfg, step=step, stats=clean_stats, triggers=self.triggers, syncs=self.syncs,
+                                 lag_used=self.run.lag_used, predates_publish=predates)
         change = step_change(
             self.run, self.ledger, step=step, batch_id=batch_id, weight_version=weight_version, stats=clean_stats,
             rollouts_by_sampler=by_sampler, decision=decision, proven=proven, now=now,
             keep_trained_batches=self.ccfg.keep_trained_batches, keep_step_rows=self.ccfg.keep_step_rows,
             clear_triggers=bool(self.triggers.pending()),
+            lag_used=lag_used_after(self.ccfg.sync_policy, self.run.lag_used, clean_stats, decision.publish,
+                                    predates_publish=predates),
         )
         self.store.commit(change.write)
         change.apply(self.run, self.ledger, self.triggers)  # written: apply
@@ -529,6 +533,8 @@ class Coordinator:
                 ess_threshold=self.ccfg.ess_threshold,
                 every_k=self.ccfg.sync_every_k,
                 max_lag_steps=self.ccfg.max_lag_steps,
+                lag_budget=self.ccfg.lag_budget,
+                horizon=self.ccfg.max_inflight_batches,
             ),
             batch_size=self.ccfg.batch_size,
             group_size=self.ccfg.group_size,

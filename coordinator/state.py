@@ -5,7 +5,7 @@ Keys, all under `dlc:<run_id>:coord:` (values are JSON):
 | key | type | holds |
 |---|---|---|
 | `meta` | hash | what the plan depends on (B, G, task settings): a restart with other values is refused |
-| `state` | hash | `published` (latest weight update), `trainer_version`, `last_step`, `pending_publish`, what was archived (`batches_archived`, `slots_reissued_archived`, `syncs_archived`, `steps_dropped`), and `write_seq` |
+| `state` | hash | `published` (latest weight update), `trainer_version`, `last_step`, `pending_publish`, `lag_used` (policy `lag_budget`), what was archived (`batches_archived`, `slots_reissued_archived`, `syncs_archived`, `steps_dropped`), and `write_seq` |
 | `batches` | hash | batch id -> plan and ledger entry (`planner.BatchRecord`); the last `keep_trained_batches` trained ones and every later one |
 | `samplers` | hash | sampler id -> `samplers.SamplerRecord` |
 | `syncs` | hash | sync id -> `syncs.SyncRecord` (the last `keep_syncs`) |

@@ -24,16 +24,25 @@ from coordinator.state import StateWrite
 from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide
 from coordinator.syncs import SyncTracker
 from coordinator.views import StepAnswer, StepReportView
+from rlcommon.step_stats import ROLLOUT_VERSION_MIN
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["sync_decision", "proven_trained", "StepChange", "step_change", "replayed_answer"]
+__all__ = ["sync_decision", "predates_publish", "proven_trained", "StepChange", "step_change", "replayed_answer"]
 
 
 def sync_decision(
-    ccfg: Any, *, step: int, stats: Mapping[str, float], triggers: ManualTriggers, syncs: SyncTracker
+    ccfg: Any,
+    *,
+    step: int,
+    stats: Mapping[str, float],
+    triggers: ManualTriggers,
+    syncs: SyncTracker,
+    lag_used: float = 0.0,
+    predates_publish: bool = False,
 ) -> SyncDecision:
-    """The sync policy's answer to a trained step (`ccfg`: the `coordinator` settings)."""
+    """The sync policy's answer to a trained step (`ccfg`: the `coordinator` settings; `lag_used`: the run's lag
+    accumulated since the last publish, read by policy `lag_budget`; `predates_publish`: see `predates_publish`)."""
     try:
         return decide(
             ccfg.sync_policy,
@@ -44,9 +53,20 @@ def sync_decision(
             max_lag_steps=ccfg.max_lag_steps,
             manual_reasons=triggers.pending(),
             sync_in_progress=syncs.active.weight_version if syncs.active is not None else None,
+            lag_budget=ccfg.lag_budget,
+            lag_used=lag_used,
+            horizon=ccfg.max_inflight_batches,
+            predates_publish=predates_publish,
         )
     except PolicyInputError as err:
         raise InvalidArgument(err.field, err.reason) from None
+
+
+def predates_publish(stats: Mapping[str, float], published_version: int) -> bool:
+    """Whether the step's batch holds tokens sampled before `published_version` (the report's
+    `rollout_version_min`; a report without it is taken as sampled after)."""
+    oldest = stats.get(ROLLOUT_VERSION_MIN)
+    return oldest is not None and oldest == oldest and oldest < published_version
 
 
 def proven_trained(ledger: BatchLedger, batch_id: int, *, step: int, now: float) -> list[BatchRecord]:
@@ -79,6 +99,7 @@ class StepChange:
     """Re-issued slots of the `archived` batches."""
     last_step: StepReportView
     pending_publish: dict[str, Any] | None
+    lag_used: float
     row: str | None
     """The step series' new row (JSON); None when no rows are kept."""
 
@@ -92,6 +113,7 @@ class StepChange:
         run.trainer_version = self.last_step.weight_version
         run.last_step = self.last_step
         run.pending_publish = self.pending_publish
+        run.lag_used = self.lag_used
         if self.row is not None:
             run.step_rows.append(self.row)
         run.steps_total += 1
@@ -112,6 +134,7 @@ def step_change(
     keep_trained_batches: int,
     keep_step_rows: int,
     clear_triggers: bool,
+    lag_used: float = 0.0,
 ) -> StepChange:
     """The change of a first report of `step`, training `batch_id` (planned or complete) at `weight_version`."""
     trained = ledger.trained(batch_id, step=step, now=now, rollouts_by_sampler=rollouts_by_sampler)
@@ -128,6 +151,7 @@ def step_change(
             "trainer_version": weight_version,
             "last_step": last_step.__dict__,
             "pending_publish": pending_publish,
+            "lag_used": lag_used,
             "batches_archived": ledger.num_archived + len(archived),
             "slots_reissued_archived": run.slots_reissued_archived + archived_slots,
             "steps_dropped": max(0, run.steps_total + 1 - keep_rows) if keep_rows else run.steps_total + 1,
@@ -138,7 +162,7 @@ def step_change(
         keep_step_rows=keep_rows,
         clear_triggers=clear_triggers,
     )
-    return StepChange(write, [*proven, trained], archived, archived_slots, last_step, pending_publish,
+    return StepChange(write, [*proven, trained], archived, archived_slots, last_step, pending_publish, lag_used,
                       row if keep_rows else None)
 
 

@@ -8,6 +8,21 @@
   the index of the step it just trained, counted from 0: steps k-1, 2k-1, ...).
 - `max_lag`: publish only when the batch's oldest rollout is at least `coordinator.max_lag_steps` trainer steps
   old (the cap below, alone: bounded staleness, whatever the ESS says). Waits while a sync is in progress.
+- `lag_budget`: publish once the lag accumulated since the last publish reaches `coordinator.lag_budget`: the
+  sum over the steps reported since then of -log(ess_lag) (for a log-normal lag ratio, the variance of the
+  per-token log lag-ratio; 0 for a batch sampled from the trainer's own weights). The ESS trigger reads the lag
+  of one batch; the budget reads how much lagged data has been trained on since the sampler last caught up
+  (issue #46, docs/results/stress/FINDINGS.md). Its state, the sum so far, is the caller's (`lag_spent` is one
+  step's share); the coordinator keeps it with its run values. Waits while a sync is in progress.
+- `ess_predicted`: publish when the ESS predicted for the batch a sync started now would no longer reach is
+  below the threshold: a batch of lag L gives ess_lag; with -log ESS growing in proportion to the lag, the
+  batch trained `horizon` steps later (the batches already in flight: 1 in lockstep, the planned-ahead batches
+  in the service) has ESS ess_lag ** ((L + horizon) / L). The ESS trigger acts on a batch that is one or more
+  steps old; this one acts on where the lag will be when the sync lands. Waits while a sync is in progress.
+
+`lag_budget` and `ess_predicted` also wait on a batch sampled before the last publish (`predates_publish`: with
+batches in flight, the ones sampled before a sync still show its lag after it, and the ESS trigger, which does
+not wait on them, fires again on each: a sync per in-flight batch); such a batch adds nothing to the budget.
 - `always`: publish after every step (on-policy up to the in-flight batches).
 - `never`: never publish (a fully stale sampler), except on a manual trigger.
 
@@ -37,6 +52,9 @@ __all__ = [
     "PolicyInputError",
     "decide",
     "describe",
+    "lag_spent",
+    "lag_used_after",
+    "predicted_ess",
     "ManualTriggers",
 ]
 
@@ -70,6 +88,10 @@ def decide(
     max_lag_steps: int | None = None,
     manual_reasons: Sequence[str] = (),
     sync_in_progress: int | None = None,
+    lag_budget: float = 2.0,
+    lag_used: float = 0.0,
+    horizon: int = 1,
+    predates_publish: bool = False,
 ) -> SyncDecision:
     """Whether to publish after `step` (the index of the step just trained, from 0), and why. Pure: the same
     inputs always give the same answer.
@@ -77,6 +99,11 @@ def decide(
     max_lag_steps: the staleness cap of policies `ess` and `every_k` (None = no cap; module docstring); the
         only trigger of policy `max_lag` (required there).
     sync_in_progress: the version being synced, if a sync has not completed yet (`ess` and the cap wait).
+    lag_budget, lag_used: policy `lag_budget`: the budget, and the lag accumulated over the steps reported since
+        the last publish before this one (the sum of their `lag_spent`); this step's share is added here.
+    horizon: policy `ess_predicted`: steps from this report to the first batch a sync started now reaches.
+    predates_publish: the batch was sampled (in part) before the last publish; `lag_budget` and `ess_predicted`
+        wait on it.
     Raises PolicyInputError when policy `ess` gets no finite `ess_lag` in [0, 1], or the cap no finite
     `staleness_steps_max` >= 0.
     """
@@ -86,7 +113,7 @@ def decide(
         return SyncDecision(True, "always: on-policy, publish every step")
     if policy == "never":
         return SyncDecision(False, "never: the policy never publishes")
-    if policy not in ("ess", "every_k", "max_lag"):
+    if policy not in ("ess", "every_k", "max_lag", "lag_budget", "ess_predicted"):
         raise PolicyInputError(
             "sync_policy", f"unknown policy {policy!r}; expected one of {', '.join(SYNC_POLICIES)}"
         )
@@ -106,6 +133,22 @@ def decide(
             else f"every_k: next sync after step {(trained // every_k + 1) * every_k - 1}"
         )
         waits = False  # the schedule does not wait for a sync in progress
+    elif predates_publish and policy in ("lag_budget", "ess_predicted"):
+        return SyncDecision(False, f"{policy}: the batch was sampled before the last publish; waiting for one after it")
+    elif policy == "lag_budget":
+        used = lag_used + lag_spent(stats)
+        fires = used >= lag_budget
+        reason = f"lag_budget: lag since the last publish {used:.4g} {'>=' if fires else '<'} {lag_budget:g}"
+        waits = True
+    elif policy == "ess_predicted":
+        ess_lag, lag_steps = check_ess_lag(stats), check_lag_steps(stats)
+        predicted = predicted_ess(ess_lag, lag_steps, horizon)
+        fires = predicted < ess_threshold
+        reason = (
+            f"ess_predicted: ess_lag {ess_lag:.4g} at lag {lag_steps:g} -> {predicted:.4g} {horizon} step(s) on, "
+            f"{'<' if fires else '>='} {ess_threshold:g}"
+        )
+        waits = True
     else:  # max_lag: the cap below is the only trigger
         if max_lag_steps is None:
             raise PolicyInputError("max_lag_steps", "policy 'max_lag' needs coordinator.max_lag_steps")
@@ -125,8 +168,38 @@ def decide(
     return SyncDecision(fires, reason)
 
 
+def lag_spent(stats: Mapping[str, float]) -> float:
+    """One step's share of the `lag_budget`: -log(ess_lag) of its batch (0 at ess_lag 1; ess_lag is floored at
+    1e-12 so that one collapsed batch counts as 27.6, not infinity)."""
+    return -math.log(max(check_ess_lag(stats), 1e-12))
+
+
+def lag_used_after(
+    policy: str, lag_used: float, stats: Mapping[str, float], published: bool, *, predates_publish: bool = False
+) -> float:
+    """The lag accumulated since the last publish after a step (policy `lag_budget`; 0 for the others): reset by
+    a publish, unchanged by a batch sampled before the last publish, else this step's `lag_spent` added."""
+    if policy != "lag_budget" or published:
+        return 0.0
+    return lag_used if predates_publish else lag_used + lag_spent(stats)
+
+
+def predicted_ess(ess_lag: float, lag_steps: float, horizon: int) -> float:
+    """The ESS of a batch `horizon` steps older than one of lag `lag_steps` with `ess_lag`, assuming -log ESS
+    grows in proportion to the lag; at lag 0 the ESS says nothing of the drift, and it is returned as is."""
+    if lag_steps <= 0 or ess_lag <= 0.0:
+        return ess_lag
+    return ess_lag ** ((lag_steps + horizon) / lag_steps)
+
+
 def describe(
-    policy: SyncPolicy, *, ess_threshold: float = 0.5, every_k: int = 1, max_lag_steps: int | None = None
+    policy: SyncPolicy,
+    *,
+    ess_threshold: float = 0.5,
+    every_k: int = 1,
+    max_lag_steps: int | None = None,
+    lag_budget: float = 2.0,
+    horizon: int = 1,
 ) -> str:
     """One line saying when `policy` publishes, for status displays."""
     cap = "" if max_lag_steps is None else f", or when the oldest rollout is >= {max_lag_steps} steps old"
@@ -134,6 +207,8 @@ def describe(
         "ess": f"publish when ess_lag < {ess_threshold:g}{cap}",
         "every_k": f"publish every {every_k} steps{cap}",
         "max_lag": f"publish when the oldest rollout is >= {max_lag_steps} steps old",
+        "lag_budget": f"publish when the sum of -log ess_lag since the last publish reaches {lag_budget:g}",
+        "ess_predicted": f"publish when ess_lag predicted {horizon} step(s) on is < {ess_threshold:g}",
         "always": "publish after every step (on-policy)",
         "never": "never publish (manual syncs only)",
     }.get(policy, f"unknown policy {policy!r}")

@@ -45,6 +45,7 @@ from rlcommon.step_stats import (
     DELTA_NUM_STD,
     ESS_FULL,
     ESS_LAG,
+    ESS_LAG_SE,
     GRAD_NORM,
     RESPONSE_LENGTH_MEAN,
     REWARD_MEAN,
@@ -55,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 STEP_COLUMNS = (
     "run", "method", "setting", "seed", "ess_threshold", "sync_rule", "step", "sampler_version", "lag_steps",
-    "synced", "kl_to_onpolicy", "noise_threshold", "kl_ratio", "num_references", ESS_LAG, ESS_FULL,
+    "synced", "kl_to_onpolicy", "noise_threshold", "kl_ratio", "num_references", ESS_LAG, ESS_LAG_SE, ESS_FULL,
     "gaussian_ess", DELTA_NUM_MEAN, DELTA_NUM_STD, DELTA_LAG_MEAN, DELTA_LAG_STD, DELTA_MEAN,
     "lambda", REWARD_MEAN, RESPONSE_LENGTH_MEAN, "loss", GRAD_NORM, "skipped", "step_time_s",
 )  # fmt: skip

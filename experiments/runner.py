@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from coordinator.sync_policy import decide
+from coordinator.sync_policy import decide, lag_used_after
 from experiments.engines import EnginePool, WeightPublisher
 from experiments.kl import PrefixBatch, ReferenceStore, build_prefix_batch
 from experiments.settings import ONPOLICY, ExperimentPreset, RunSpec
@@ -42,6 +42,7 @@ from rlcommon.step_stats import (
     DELTA_NUM_STD,
     ESS_FULL,
     ESS_LAG,
+    ESS_LAG_SE,
     GRAD_NORM,
     RESPONSE_LENGTH_MEAN,
     REWARD_MEAN,
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 STEP_METRICS = (
     ESS_LAG,
+    ESS_LAG_SE,
     ESS_FULL,
     DELTA_NUM_MEAN,
     DELTA_NUM_STD,
@@ -238,12 +240,23 @@ async def run_one(ctx: ExperimentContext, spec: RunSpec) -> RunRecord:
     timings = {"sample_s": 0.0, "train_s": 0.0, "sync_s": 0.0, "kl_s": 0.0}
     rows: list[dict[str, Any]] = []
     sync_steps: list[int] = []
+    sampled: dict[int, tuple[int, list[Rollout]]] = {}  # batch -> (the version that sampled it, its rollouts)
+    inflight = 1 if spec.method == ONPOLICY else preset.inflight  # the references stay on-policy
+    published = 0  # the last version published
+    lag_used = 0.0  # policy lag_budget: the lag accumulated since the last publish (the coordinator's lag_used)
     try:
         await publisher.sync(engine, model, weight_version=0, step=0)
         for step in range(1, preset.steps + 1):
             t0 = time.perf_counter()
-            sampler_version = engine.weight_version
-            rollouts = await _sample_batch(ctx, engine, step=step, seed=spec.seed)
+            # `inflight` batches ahead of the trainer: every batch up to step + inflight - 1 is sampled now,
+            # from the version the engine serves (a sync after step t reaches batch t + inflight first).
+            for ahead in range(step, min(step + inflight, preset.steps + 1)):
+                if ahead not in sampled:
+                    sampled[ahead] = (
+                        engine.weight_version,
+                        await _sample_batch(ctx, engine, step=ahead, seed=spec.seed),
+                    )
+            sampler_version, rollouts = sampled.pop(step)
             t1 = time.perf_counter()
             result = train_step.train_on(rollouts)
             metrics = result.metrics
@@ -252,6 +265,7 @@ async def run_one(ctx: ExperimentContext, spec: RunSpec) -> RunRecord:
             # (TrainStep.step - 1 after the update, counted from 0) and the step's metrics. The sync below
             # completes before the next batch is sampled, so no sync is ever in progress here. A threshold
             # or interval the rule does not read may be unset (RunSpec requires the one it reads).
+            predates = sampler_version < published  # sampled before the last publish (only with inflight > 1)
             synced = decide(
                 spec.sync_rule,
                 step=train_step.step - 1,
@@ -260,11 +274,18 @@ async def run_one(ctx: ExperimentContext, spec: RunSpec) -> RunRecord:
                 every_k=spec.sync_every or 1,
                 max_lag_steps=spec.max_lag_steps,
                 sync_in_progress=None,
+                lag_budget=spec.lag_budget or 1.0,
+                lag_used=lag_used,
+                horizon=inflight,
+                predates_publish=predates,
             ).publish
+            lag_used = lag_used_after(spec.sync_rule, lag_used, metrics, synced, predates_publish=predates)
             if synced:
                 version = train_step.weight_version + 1
+                published = version
                 train_step.mark_published(version)
-                train_step.snapshots.release_below(version)
+                # The batches in flight were sampled from older versions: their snapshots stay until trained.
+                train_step.snapshots.release_below(min([version, *(v for v, _ in sampled.values())]))
                 await publisher.sync(engine, model, weight_version=version, step=step)
                 sync_steps.append(step)
             t3 = time.perf_counter()
@@ -288,7 +309,7 @@ async def run_one(ctx: ExperimentContext, spec: RunSpec) -> RunRecord:
                 "method": spec.method,
                 "setting": spec.setting,
                 "seed": spec.seed,
-                "ess_threshold": spec.ess_threshold if spec.sync_rule == "ess" else None,
+                "ess_threshold": spec.ess_threshold if spec.sync_rule in ("ess", "ess_predicted") else None,
                 "sync_rule": spec.sync_label,
                 "step": step,
                 "sampler_version": sampler_version,

@@ -18,6 +18,12 @@ Settings (DESIGN section 6, issue 7):
   interval of `dlc_every_k` when that is set (the fixed-interval side of the syncs-vs-distance trade-off).
 - `max_lag`: fp32 sampler synced by the staleness cap `coordinator.max_lag_steps`, once per cap of
   `max_lag_caps`: alone (policy `max_lag`) and with the ESS trigger (policy `ess` at `cap_ess_threshold`).
+- `candidates`: the sync rules of issue #46, dlc only: policy `lag_budget` once per budget of
+  `dlc_lag_budgets`, policy `ess_predicted` once per threshold of `dlc_predicted_thresholds`.
+
+`inflight` batches are sampled ahead of the trainer (1: lockstep, batch t is sampled after step t - 1; d:
+batch t is sampled after step t - d, from the version the sampler served then), so a sync after step t
+reaches batch t + d first, as in the service with batches planned ahead.
 
 Every sync rule is the coordinator's sync policy of that name: runner.py calls `coordinator.sync_policy.decide`.
 
@@ -61,8 +67,8 @@ ONPOLICY = "onpolicy"
 """Method name of the on-policy reference runs (the `naive` loss, fp32 sampler synced every step)."""
 ONPOLICY_LOSS: Method = "naive"
 """The loss the on-policy runs train with (every correction reduces to it on exactly on-policy data)."""
-SETTINGS = ("stale", "lowprec", "noisy", "every_k", "max_lag")
-Setting = Literal["stale", "lowprec", "noisy", "every_k", "max_lag"]
+SETTINGS = ("stale", "lowprec", "noisy", "every_k", "max_lag", "candidates")
+Setting = Literal["stale", "lowprec", "noisy", "every_k", "max_lag", "candidates"]
 
 
 class ExperimentPreset(StrictModel):
@@ -110,6 +116,12 @@ class ExperimentPreset(StrictModel):
     """`max_lag` setting: the caps `coordinator.max_lag_steps` measured, each alone and with the ESS trigger."""
     cap_ess_threshold: float = Field(0.5, gt=0, le=1)
     """ESS threshold of the runs that combine the ESS trigger with a cap."""
+    dlc_lag_budgets: list[float] = Field(default_factory=list)
+    """`candidates` setting: the budgets (`coordinator.lag_budget`) of policy `lag_budget`."""
+    dlc_predicted_thresholds: list[float] = Field(default_factory=list)
+    """`candidates` setting: the thresholds of policy `ess_predicted`."""
+    inflight: int = Field(1, ge=1)
+    """Batches sampled ahead of the trainer (1 = lockstep); the horizon of policy `ess_predicted`."""
     noise_sigma: float = Field(0.05, ge=0)
     """`noisy`: noise std relative to each weight tensor's RMS (one draw per run, re-applied at every sync)."""
     eval_prompts: int = Field(64, ge=1)
@@ -141,6 +153,13 @@ class ExperimentPreset(StrictModel):
                 raise ValueError(f"{name} has duplicates: {values}")
         if any(k < 1 for k in self.dlc_every_k) or any(c < 1 for c in self.max_lag_caps):
             raise ValueError(f"dlc_every_k and max_lag_caps must be >= 1, got {self.dlc_every_k}, {self.max_lag_caps}")
+        if "candidates" in self.settings and not (self.dlc_lag_budgets or self.dlc_predicted_thresholds):
+            raise ValueError("setting 'candidates' needs dlc_lag_budgets or dlc_predicted_thresholds")
+        if any(b <= 0 for b in self.dlc_lag_budgets) or any(not 0 < t <= 1 for t in self.dlc_predicted_thresholds):
+            raise ValueError(
+                f"dlc_lag_budgets must be > 0 and dlc_predicted_thresholds in (0, 1], got {self.dlc_lag_budgets}, "
+                f"{self.dlc_predicted_thresholds}"
+            )
         if "max_lag" in self.settings and not self.max_lag_caps:
             raise ValueError("setting 'max_lag' needs max_lag_caps (the caps to measure, e.g. [2, 4, 8])")
         if any(not 0 < t <= 1 for t in self.dlc_thresholds):
@@ -179,8 +198,14 @@ class RunSpec:
     """Relative weight noise added to every published sampler version (0 = clean)."""
     max_lag_steps: int | None = None
     """Staleness cap (`coordinator.max_lag_steps`): the trigger of sync_rule "max_lag", an extra one of "ess"."""
+    lag_budget: float | None = None
+    """Budget of sync_rule "lag_budget" (`coordinator.lag_budget`)."""
 
     def __post_init__(self) -> None:
+        if self.sync_rule == "lag_budget" and (self.lag_budget is None or self.lag_budget <= 0):
+            raise ValueError(f"run {self.method}/{self.setting}: sync_rule 'lag_budget' needs lag_budget > 0")
+        if self.sync_rule == "ess_predicted" and self.ess_threshold is None:
+            raise ValueError(f"run {self.method}/{self.setting}: sync_rule 'ess_predicted' needs an ess_threshold")
         if self.sync_rule == "max_lag" and (self.max_lag_steps is None or self.max_lag_steps < 1):
             raise ValueError(f"run {self.method}/{self.setting}: sync_rule 'max_lag' needs max_lag_steps >= 1")
         if self.sync_rule == "ess" and self.ess_threshold is None:
@@ -196,9 +221,11 @@ class RunSpec:
     @property
     def name(self) -> str:
         threshold = f"-t{self.ess_threshold:g}" if self.sync_rule == "ess" else ""
+        threshold += f"-p{self.ess_threshold:g}" if self.sync_rule == "ess_predicted" else ""
         interval = f"-k{self.sync_every}" if self.sync_rule == "every_k" else ""
+        budget = f"-b{self.lag_budget:g}" if self.sync_rule == "lag_budget" else ""
         cap = f"-cap{self.max_lag_steps}" if self.max_lag_steps is not None else ""
-        return f"{self.setting}-{self.method}{threshold}{interval}{cap}-s{self.seed}"
+        return f"{self.setting}-{self.method}{threshold}{interval}{budget}{cap}-s{self.seed}"
 
     @property
     def sync_label(self) -> str:
@@ -210,6 +237,10 @@ class RunSpec:
             rule = f"ess_lag<{self.ess_threshold:g}"
         elif self.sync_rule == "every_k":
             rule = f"every {self.sync_every}"
+        elif self.sync_rule == "lag_budget":
+            rule = f"lag budget {self.lag_budget:g}"
+        elif self.sync_rule == "ess_predicted":
+            rule = f"predicted ess<{self.ess_threshold:g}"
         else:
             return {"always": "every step", "never": "never"}[self.sync_rule]
         return f"{rule} or {cap}" if cap else rule
@@ -238,6 +269,14 @@ def _method_runs(preset: ExperimentPreset, *, method: str, setting: str, seed: i
                 RunSpec(method, setting, seed, "max_lag", fp32, max_lag_steps=cap),
                 RunSpec(method, setting, seed, "ess", fp32, ess_threshold=threshold, max_lag_steps=cap),
             )
+        ]
+    if setting == "candidates":
+        return [
+            *(RunSpec(method, setting, seed, "lag_budget", fp32, lag_budget=b) for b in preset.dlc_lag_budgets),
+            *(
+                RunSpec(method, setting, seed, "ess_predicted", fp32, ess_threshold=t)
+                for t in preset.dlc_predicted_thresholds
+            ),
         ]
     raise ValueError(f"unknown setting {setting!r}; expected one of {', '.join(SETTINGS)}")
 

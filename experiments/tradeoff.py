@@ -5,7 +5,9 @@ Every dlc run of a preset belongs to one sync family, read from its `sync_rule` 
 - `ess`: the ESS trigger alone (`stale`, "ess_lag<t"), one variant per threshold t;
 - `every_k`: a fixed interval (`every_k`, "every k"), one variant per k (k = 1 is every step);
 - `max_lag`: the staleness cap alone (`max_lag`, "lag>=n");
-- `ess+cap`: the ESS trigger and the cap together ("ess_lag<t or lag>=n").
+- `ess+cap`: the ESS trigger and the cap together ("ess_lag<t or lag>=n");
+- `budget`: the accumulated-lag budget (`lag_budget`, "lag budget b"), one variant per budget b;
+- `predicted`: the ESS predicted where a sync lands (`ess_predicted`, "predicted ess<t").
 
 A variant's figures are over its seeds: syncs, the worst step's KL ratio (max over steps of KL to on-policy
 over the noise threshold) and the mean ratio, mean and sample std. `equal_distance` answers the issue's
@@ -45,7 +47,9 @@ __all__ = [
     "write_tradeoff_plot",
 ]
 
-FAMILIES = ("ess", "every_k", "max_lag", "ess+cap")
+FAMILIES = ("ess", "every_k", "max_lag", "ess+cap", "budget", "predicted")
+TRIGGERED = ("ess", "ess+cap", "budget", "predicted")
+"""The families compared with the fixed interval at equal distance (every rule that reads the run's metrics)."""
 STRICT_LIMIT = 1.5
 """The stricter target of issue #30: every seed within 1.5 noise thresholds at every step."""
 
@@ -53,6 +57,8 @@ _ESS = re.compile(r"^ess_lag<(?P<t>[0-9.]+)$")
 _EVERY = re.compile(r"^every (?P<k>\d+)$")
 _CAP = re.compile(r"^lag>=(?P<n>\d+)$")
 _ESS_CAP = re.compile(r"^ess_lag<(?P<t>[0-9.]+) or lag>=(?P<n>\d+)$")
+_BUDGET = re.compile(r"^lag budget (?P<b>[0-9.]+)$")
+_PREDICTED = re.compile(r"^predicted ess<(?P<t>[0-9.]+)$")
 
 
 def sync_variant(sync_rule: str) -> tuple[str, float] | None:
@@ -65,6 +71,10 @@ def sync_variant(sync_rule: str) -> tuple[str, float] | None:
         return ("max_lag", float(m["n"]))
     if m := _ESS_CAP.match(sync_rule):
         return ("ess+cap", float(m["n"]))
+    if m := _BUDGET.match(sync_rule):
+        return ("budget", float(m["b"]))
+    if m := _PREDICTED.match(sync_rule):
+        return ("predicted", float(m["t"]))
     return None
 
 
@@ -79,6 +89,8 @@ class Variant:
     """(syncs, worst-step ratio, mean ratio) of each seed, in seed order."""
     reward: float
     """Mean final reward."""
+    seed_ids: tuple[int, ...] = ()
+    """The seed of each of `runs` (a paired bootstrap resamples the seeds two rules share)."""
 
     def _column(self, index: int) -> list[float]:
         return [run[index] for run in self.runs]
@@ -142,6 +154,7 @@ def variants(summary: Sequence[dict[str, Any]], *, method: str = "dlc") -> list[
                 for r in sorted(runs, key=lambda r: r["seed"])
             ),
             reward=statistics.fmean(float(r["final_reward"]) for r in runs),
+            seed_ids=tuple(int(r["seed"]) for r in sorted(runs, key=lambda r: r["seed"])),
         )
         for (family, param, label), runs in groups.items()
     ]
@@ -206,12 +219,16 @@ def bootstrap_saving(
     *,
     draws: int = BOOTSTRAP_DRAWS,
     seed: int = BOOTSTRAP_SEED,
+    paired: bool = False,
 ) -> tuple[float, float, float, int] | None:
     """How uncertain `equal_distance`'s answer is with this many seeds: every draw resamples the seeds of
     `variant` and of each fixed interval (with replacement, independently), recomputes the means and the
-    syncs the fixed interval needs for the variant's distance, minus the variant's syncs. Returns (median,
-    5th percentile, 95th percentile, draws without an answer: the distance outside the resampled curve);
-    None when fewer than half of the draws answer. Deterministic for a given seed."""
+    syncs the fixed interval needs for the variant's distance, minus the variant's syncs. `paired`: every draw
+    picks one sample of the seeds that `variant` and every fixed interval share, used for all of them (a seed's
+    batches and request seeds are the same under every rule, so what the seed does to all rules alike cancels;
+    seeds not shared are left out). Returns (median, 5th percentile, 95th percentile, draws without an answer:
+    the distance outside the resampled curve); None when fewer than half of the draws answer, or when `paired`
+    finds fewer than 2 shared seeds. Deterministic for a given seed."""
     import random
 
     rng = random.Random(seed)
@@ -219,18 +236,25 @@ def bootstrap_saving(
     fixed = [v for v in found if v.family == "every_k"]
     if not fixed or not variant.runs:
         return None
+    shared = sorted(set(variant.seed_ids).intersection(*(v.seed_ids for v in fixed))) if paired else []
+    if paired and len(shared) < 2:
+        return None
 
     def resampled_mean(runs: Sequence[tuple[float, float, float]], i: int, picks: list[int]) -> float:
         return statistics.fmean(runs[p][i] for p in picks)
 
+    def positions(v: Variant, seeds: list[int]) -> list[int]:
+        return [v.seed_ids.index(s) for s in seeds]
+
     savings = []
     for _ in range(draws):
-        picks = [rng.randrange(len(variant.runs)) for _ in variant.runs]
+        drawn = [rng.choice(shared) for _ in shared] if paired else []
+        picks = positions(variant, drawn) if paired else [rng.randrange(len(variant.runs)) for _ in variant.runs]
         syncs = resampled_mean(variant.runs, 0, picks)
         target = resampled_mean(variant.runs, index, picks)
         curve = []
         for v in fixed:
-            fixed_picks = [rng.randrange(len(v.runs)) for _ in v.runs]
+            fixed_picks = positions(v, drawn) if paired else [rng.randrange(len(v.runs)) for _ in v.runs]
             curve.append((resampled_mean(v.runs, 0, fixed_picks), resampled_mean(v.runs, index, fixed_picks)))
         needed, _ = equal_distance(target, curve)
         if needed is not None:
@@ -290,11 +314,12 @@ def tradeoff_section(summary: Sequence[dict[str, Any]], out_dir: Path) -> tuple[
         "## Trade-off: syncs against distance to on-policy (dlc)\n\n"
         + tradeoff_markdown(found)
         + "\nAt equal distance: the syncs a fixed interval (`every_k`, interpolated linearly between the measured "
-        "k) needs for the same worst-step and mean ratio as each ESS-triggered rule (in brackets: its syncs minus "
-        "the ESS rule's; positive = the ESS rule syncs less). Syncs saved: the same difference over "
+        "k) needs for the same worst-step and mean ratio as each triggered rule (in brackets: its syncs minus "
+        "the rule's; positive = the rule syncs less). Syncs saved: the same difference over "
         f"{BOOTSTRAP_DRAWS} bootstrap draws that resample the seeds of every rule independently (median [5th, "
         "95th percentile]; draws whose distance falls outside the resampled fixed-interval curve are left out "
-        "and counted):\n\n"
+        "and counted); paired: draws that resample the seeds the rule and every fixed interval share, the same "
+        "seeds for all of them:\n\n"
         + equal_distance_markdown(found)
         + "\n"
         + fronts
@@ -323,12 +348,13 @@ def tradeoff_markdown(found: Sequence[Variant]) -> str:
 
 
 def equal_distance_markdown(found: Sequence[Variant]) -> str:
-    """Per ESS-triggered variant (alone or with a cap): its syncs against the syncs a fixed interval needs for
+    """Per triggered variant (ESS alone or with a cap, budget, predicted ESS): its syncs against the syncs a fixed interval needs for
     the same worst-step and mean ratio."""
     lines = [
-        "| ESS-triggered rule | syncs | worst-step ratio | fixed interval, same worst-step ratio | syncs saved "
-        "[90% bootstrap] | mean ratio | fixed interval, same mean ratio | syncs saved [90% bootstrap] |",
-        "|---|---|---|---|---|---|---|---|",
+        "| triggered rule | syncs | worst-step ratio | fixed interval, same worst-step ratio | syncs saved "
+        "[90% bootstrap] | paired | mean ratio | fixed interval, same mean ratio | syncs saved [90% bootstrap] | "
+        "paired |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(target: float, key: str, syncs: float) -> str:
@@ -337,8 +363,8 @@ def equal_distance_markdown(found: Sequence[Variant]) -> str:
             return how
         return f"{needed:.1f} syncs ({how}; {needed - syncs:+.1f})"
 
-    def interval(v: Variant, key: str) -> str:
-        boot = bootstrap_saving(found, v, key)
+    def interval(v: Variant, key: str, paired: bool = False) -> str:
+        boot = bootstrap_saving(found, v, key, paired=paired)
         if boot is None:
             return "–"
         median, low, high, missing = boot
@@ -347,18 +373,22 @@ def equal_distance_markdown(found: Sequence[Variant]) -> str:
 
     rows = 0
     for v in found:
-        if v.family not in ("ess", "ess+cap"):
+        if v.family not in TRIGGERED:
             continue
         rows += 1
         lines.append(
             f"| {v.label} | {_pm(v.syncs, 1)} | {_pm(v.worst)} | {cell(v.worst[0], 'worst', v.syncs[0])} | "
-            f"{interval(v, 'worst')} | {_pm(v.mean_ratio)} | {cell(v.mean_ratio[0], 'mean_ratio', v.syncs[0])} | "
-            f"{interval(v, 'mean_ratio')} |"
+            f"{interval(v, 'worst')} | {interval(v, 'worst', paired=True)} | {_pm(v.mean_ratio)} | "
+            f"{cell(v.mean_ratio[0], 'mean_ratio', v.syncs[0])} | {interval(v, 'mean_ratio')} | "
+            f"{interval(v, 'mean_ratio', paired=True)} |"
         )
     return "\n".join(lines) + "\n" if rows else ""
 
 
-_STYLE = {"ess": ("o", "C0"), "every_k": ("s", "C1"), "max_lag": ("^", "C2"), "ess+cap": ("D", "C3")}
+_STYLE = {
+    "ess": ("o", "C0"), "every_k": ("s", "C1"), "max_lag": ("^", "C2"), "ess+cap": ("D", "C3"),
+    "budget": ("v", "C4"), "predicted": ("P", "C5"),
+}
 
 
 def write_tradeoff_plot(
@@ -387,7 +417,10 @@ def write_tradeoff_plot(
                 fmt=marker + "-", color=color, capsize=3, label=family, alpha=0.85,
             )  # fmt: skip
             for v, x, y in zip(members, xs, ys, strict=True):
-                text = {"ess": f"{v.param:g}", "every_k": f"k={v.param:g}"}.get(family, f"cap {v.param:g}")
+                text = {
+                    "ess": f"{v.param:g}", "every_k": f"k={v.param:g}", "budget": f"b={v.param:g}",
+                    "predicted": f"p{v.param:g}",
+                }.get(family, f"cap {v.param:g}")
                 ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
         front = pareto_front(found, key)
         ax.step(

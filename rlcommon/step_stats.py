@@ -29,6 +29,7 @@ class Stat:
 # ------------------------------------------------------------------ the correction (trainer_svc/corrections.py)
 ESS_LAG = "ess_lag"
 ESS_FULL = "ess_full"
+ESS_LAG_SE = "ess_lag_se"
 DELTA_NUM_MEAN, DELTA_NUM_STD = "delta_num_mean", "delta_num_std"
 DELTA_LAG_MEAN, DELTA_LAG_STD = "delta_lag_mean", "delta_lag_std"
 DELTA_MEAN = "delta_mean"
@@ -56,6 +57,8 @@ _CORRECTIONS, _STEP = "trainer (corrections.py)", "trainer (step.py)"
 STATS: dict[str, Stat] = {s.name: s for s in [
     Stat(ESS_LAG, "ESS of the lag ratio exp(l - l_v) over the batch's tokens, over their number; the `ess` sync "
          "policy publishes when it drops below coordinator.ess_threshold", "fraction in [0, 1]", _CORRECTIONS),
+    Stat(ESS_LAG_SE, "jackknife standard error of ess_lag over 8 blocks of the batch's responses: how far the "
+         "batch's ESS could move with other rollouts of the same weights", "fraction", _CORRECTIONS),
     Stat(ESS_FULL, "ESS of exp(l - lambda_mu) (lag and discrepancy together)", "fraction in [0, 1]", _CORRECTIONS),
     Stat(DELTA_NUM_MEAN, "mean of delta_num = l_v - lambda_mu (numerical discrepancy)", "nats", _CORRECTIONS),
     Stat(DELTA_NUM_STD, "standard deviation of delta_num", "nats", _CORRECTIONS),

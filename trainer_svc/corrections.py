@@ -31,6 +31,7 @@ from rlcommon.step_stats import (
     DELTA_NUM_STD,
     ESS_FULL,
     ESS_LAG,
+    ESS_LAG_SE,
     M2PO_KEPT_FRAC,
     MIS_MASKED_FRAC,
     NONFINITE_INPUTS,
@@ -82,6 +83,29 @@ def ess(log_weights: Tensor, mask: Tensor) -> Tensor:
     log_w = log_w[selected]
     log_ess = 2 * torch.logsumexp(log_w, 0) - torch.log(num_tokens.double()) - torch.logsumexp(2 * log_w, 0)
     return torch.exp(log_ess).clamp(max=1.0)
+
+
+ESS_SE_BLOCKS = 8
+"""`ess_se` leaves out one of this many contiguous blocks of rows at a time (whole prompt groups when the rows
+are grouped and their number is a multiple of 8 times the group size, as the trainer's batches are)."""
+
+
+def ess_se(log_weights: Tensor, mask: Tensor, blocks: int = ESS_SE_BLOCKS) -> float:
+    """Jackknife standard error of `ess` over `blocks` contiguous blocks of rows (a row is one response): how
+    much the batch's ESS would move with other rollouts of the same policies. 0 with fewer than 2 rows."""
+    rows = log_weights.shape[0]
+    blocks = min(blocks, rows)
+    if blocks < 2:
+        return 0.0
+    bounds = [round(i * rows / blocks) for i in range(blocks + 1)]
+    keep = torch.ones(rows, dtype=torch.bool, device=log_weights.device)
+    left_out = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        keep[lo:hi] = False
+        left_out.append(float(ess(log_weights[keep], mask[keep])))
+        keep[lo:hi] = True
+    mean = sum(left_out) / blocks
+    return math.sqrt((blocks - 1) / blocks * sum((e - mean) ** 2 for e in left_out))
 
 
 def decompose_log_ratio(*, logp: Tensor, logp_version: Tensor, logp_sampler: Tensor) -> tuple[Tensor, Tensor]:
@@ -270,6 +294,7 @@ def policy_loss(
     delta_lag_mean, delta_lag_std = _masked_mean_std(torch.nan_to_num(delta_lag, **finite), selected, num_tokens)
     metrics = {
         ESS_LAG: float(ess(log_w, selected)),
+        ESS_LAG_SE: ess_se(log_w, selected),
         ESS_FULL: float(ess(log_rho_detached, selected)),
         DELTA_NUM_MEAN: delta_num_mean,
         DELTA_NUM_STD: delta_num_std,

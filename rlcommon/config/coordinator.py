@@ -11,7 +11,7 @@ from rlcommon.config.base import StrictModel
 
 __all__ = ["CoordinatorConfig", "SYNC_POLICIES", "SyncPolicy"]
 
-SyncPolicy = Literal["ess", "every_k", "max_lag", "always", "never"]
+SyncPolicy = Literal["ess", "every_k", "max_lag", "lag_budget", "ess_predicted", "always", "never"]
 """When the trainer publishes (coordinator/sync_policy.py decides; experiments/ measure the same rule)."""
 SYNC_POLICIES: tuple[str, ...] = get_args(SyncPolicy)
 
@@ -42,9 +42,14 @@ class CoordinatorConfig(StrictModel):
     # When the trainer publishes (the coordinator decides).
     sync_policy: SyncPolicy = "ess"
     """When the trainer publishes: ess_lag < ess_threshold, every k steps, once the oldest rollout is max_lag_steps
-    old (`max_lag`), every step, or never."""
+    old (`max_lag`), once the lag accumulated since the last publish reaches lag_budget (`lag_budget`), when the
+    ESS predicted max_inflight_batches steps on is < ess_threshold (`ess_predicted`), every step, or never.
+    coordinator/sync_policy.py says how each decides; docs/results/stress/FINDINGS.md what each buys."""
     ess_threshold: float = Field(0.5, gt=0, le=1)
-    """ESS of the lag ratio below which a sync is requested (policy `ess`)."""
+    """ESS of the lag ratio below which a sync is requested (policies `ess` and `ess_predicted`)."""
+    lag_budget: float = Field(2.0, gt=0)
+    """Policy `lag_budget`: publish once the sum of -log(ess_lag) over the steps since the last publish reaches this
+    (nats; 2.0 is about one sync every 4-5 steps in the stress preset)."""
     sync_every_k: int = Field(4, ge=1)
     """Interval of policy `every_k`."""
     max_lag_steps: int | None = Field(None, ge=1)
@@ -153,9 +158,10 @@ class CoordinatorConfig(StrictModel):
 
     @model_validator(mode="after")
     def _lag_cap_policy(self) -> CoordinatorConfig:
-        if self.max_lag_steps is not None and self.sync_policy not in ("ess", "every_k", "max_lag"):
+        if self.max_lag_steps is not None and self.sync_policy in ("always", "never"):
             raise ValueError(
-                f"coordinator.max_lag_steps applies to sync_policy 'ess', 'every_k' or 'max_lag', not "
+                f"coordinator.max_lag_steps applies to sync_policy 'ess', 'every_k', 'max_lag', 'lag_budget' or "
+                f"'ess_predicted', not "
                 f"{self.sync_policy!r}; unset max_lag_steps or change sync_policy"
             )
         if self.max_lag_steps is None and self.sync_policy == "max_lag":

@@ -74,7 +74,7 @@ def test_max_lag_steps():
         load_config(RunConfig, [], ["--coordinator.max_lag_steps=0"])
     for policy in ("never", "always"):
         flags = [f"--coordinator.sync_policy={policy}", "--coordinator.max_lag_steps=4"]
-        expected = rf"max_lag_steps applies to sync_policy 'ess', 'every_k' or 'max_lag', not\s+'{policy}'"
+        expected = rf"max_lag_steps applies to sync_policy 'ess', 'every_k', 'max_lag', 'lag_budget' or 'ess_predicted', not\s+'{policy}'"
         with pytest.raises(ConfigError, match=expected):
             load_config(RunConfig, [], flags)
     alone = ["--coordinator.sync_policy=max_lag", "--coordinator.max_lag_steps=4"]

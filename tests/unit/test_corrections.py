@@ -19,6 +19,7 @@ from trainer_svc.corrections import (
     decompose_log_ratio,
     dual_update,
     ess,
+    ess_se,
     policy_loss,
 )
 
@@ -464,3 +465,19 @@ def test_empty_mask_gives_zero_loss_with_gradient():
     loss.backward()
     assert loss.item() == 0.0 and metrics["tokens"] == 0.0
     assert torch.equal(inputs["logp"].grad, torch.zeros(2, 3, dtype=torch.float64))
+
+
+def test_ess_se_is_the_jackknife_spread_over_blocks_of_rows():
+    """Equal weights: every block left out gives ESS 1, so no spread. One block of heavy rows: leaving it out
+    moves the ESS a lot, and the jackknife says so; the formula is checked against a direct computation."""
+    mask = torch.ones(16, 5)
+    assert ess_se(torch.zeros(16, 5), mask) == 0.0
+    log_w = torch.zeros(16, 5, dtype=torch.float64)
+    log_w[:2] = 2.0  # the first of 8 blocks of 2 rows
+    se = ess_se(log_w, mask)
+    left_out = [float(ess(torch.cat([log_w[: 2 * b], log_w[2 * b + 2 :]]), torch.ones(14, 5))) for b in range(8)]
+    mean = sum(left_out) / 8
+    assert se == pytest.approx(math.sqrt(7 / 8 * sum((e - mean) ** 2 for e in left_out)), rel=1e-12)
+    assert se > 0.1
+    assert ess_se(log_w[:1], mask[:1]) == 0.0  # one row: no blocks to leave out
+    assert ess_se(log_w[:3], mask[:3]) > 0.0  # fewer rows than blocks: one row per block

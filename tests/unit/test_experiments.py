@@ -338,7 +338,7 @@ class _NoReferences:
         return {}
 
 
-def _run_with_fakes(monkeypatch, tmp_path, spec: RunSpec, *, steps: int):
+def _run_with_fakes(monkeypatch, tmp_path, spec: RunSpec, *, steps: int, overrides: tuple[str, ...] = ()):
     """`run_one` with the service's TrainStep on the test model, fake sampling (random rollouts of the
     version the engine serves) and no KL measurement: what the sync rule does to the run."""
     import asyncio
@@ -356,7 +356,7 @@ def _run_with_fakes(monkeypatch, tmp_path, spec: RunSpec, *, steps: int):
     monkeypatch.setattr(runner, "_sample_batch", sample_batch)
     monkeypatch.setattr(runner, "WeightPublisher", _FakePublisher)
     monkeypatch.setattr(runner, "engine_reward", engine_reward)
-    preset = load_preset("tiny", [f"steps={steps}"])
+    preset = load_preset("tiny", [f"steps={steps}", *overrides])
     ctx = runner.ExperimentContext(
         preset=preset,
         model_dir=tmp_path,
@@ -388,6 +388,40 @@ def test_runs_sync_by_the_coordinators_policy(monkeypatch, tmp_path):
     assert [row["lag_steps"] for row in record.rows] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     always = RunSpec("naive", "noisy", 0, "always", "float32")
     assert _run_with_fakes(monkeypatch, tmp_path, always, steps=3).sync_steps == [1, 2, 3]
+
+
+def test_batches_in_flight_reach_a_sync_late_and_keep_their_snapshots(monkeypatch, tmp_path):
+    """`inflight = 3`: batch t is sampled after step t - 3, so a sync after step 4 first reaches batch 7, and the
+    snapshots of the versions still in flight are kept (training them would fail otherwise)."""
+    every_4 = RunSpec("dlc", "every_k", 0, "every_k", "float32", sync_every=4)
+    record = _run_with_fakes(monkeypatch, tmp_path, every_4, steps=10, overrides=("inflight=3",))
+    assert record.sync_steps == [4, 8]
+    assert [row["sampler_version"] for row in record.rows] == [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert [row["lag_steps"] for row in record.rows] == [0, 1, 2, 3, 4, 5, 2, 3, 4, 5]
+
+
+def test_candidate_rules_run_through_the_coordinators_policies(monkeypatch, tmp_path):
+    """`lag_budget` and `ess_predicted` in the runner are the coordinator's: the budget syncs where the rows'
+    -log(ess_lag) since the last sync first sum to it; a predicted ESS below 1 syncs at every lagged batch."""
+    import math
+
+    never = _run_with_fakes(monkeypatch, tmp_path, RunSpec("dlc", "stale", 0, "never", "float32"), steps=8)
+    spent = [-math.log(row["ess_lag"]) for row in never.rows]
+    assert spent[0] == 0 and spent[4] > spent[3] > 0  # lag 0 at step 1, then the lag grows (once gradients do)
+    budget = sum(spent[:5]) * 0.999  # reached at step 5 if nothing syncs before
+    spec = RunSpec("dlc", "candidates", 0, "lag_budget", "float32", lag_budget=budget)
+    assert spec.sync_label == f"lag budget {budget:g}" and spec.name == f"candidates-dlc-b{budget:g}-s0"
+    record = _run_with_fakes(monkeypatch, tmp_path, spec, steps=8)
+    assert record.sync_steps[0] == 5 and [r["ess_lag"] for r in record.rows[:5]] == [r["ess_lag"] for r in never.rows[:5]]
+    predicted = RunSpec("dlc", "candidates", 0, "ess_predicted", "float32", ess_threshold=1.0)
+    assert predicted.sync_label == "predicted ess<1"
+    assert _run_with_fakes(monkeypatch, tmp_path, predicted, steps=8).sync_steps == [4, 6, 8]  # ess < 1 from step 4
+    with pytest.raises(ValueError, match="lag_budget > 0"):
+        RunSpec("dlc", "candidates", 0, "lag_budget", "float32")
+    with pytest.raises(ValueError, match="ess_predicted' needs an ess_threshold"):
+        RunSpec("dlc", "candidates", 0, "ess_predicted", "float32")
+    with pytest.raises(ValueError, match="setting 'candidates' needs"):
+        load_preset("stress", ['settings=["candidates"]'])
 
 
 def test_run_spec_needs_the_parameter_of_its_rule():

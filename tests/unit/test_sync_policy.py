@@ -190,7 +190,9 @@ def test_policy_list_is_spelled_once():
     from experiments.settings import RunSpec
     from rlcommon.config import SYNC_POLICIES, CoordinatorConfig, SyncPolicy
 
-    assert SYNC_POLICIES == ("ess", "every_k", "max_lag", "always", "never") == typing.get_args(SyncPolicy)
+    assert SYNC_POLICIES == (
+        "ess", "every_k", "max_lag", "lag_budget", "ess_predicted", "always", "never"
+    ) == typing.get_args(SyncPolicy)
     assert CoordinatorConfig.model_fields["sync_policy"].annotation is SyncPolicy
     assert typing.get_type_hints(RunSpec)["sync_rule"] is SyncPolicy
     assert typing.get_type_hints(sync_policy.decide)["policy"] is SyncPolicy
@@ -229,3 +231,71 @@ def test_max_lag_waits_for_a_sync_in_progress_and_needs_its_cap():
     with pytest.raises(PolicyInputError) as err:
         decide("max_lag", step=5, stats={}, max_lag_steps=2)
     assert err.value.field == "stats.staleness_steps_max"
+
+
+def _report(ess_lag: float, lag_steps: float) -> dict[str, float]:
+    return {"ess_lag": ess_lag, "staleness_steps_max": lag_steps}
+
+
+def test_lag_budget_sums_the_lag_since_the_last_publish_and_resets_on_publish():
+    """-log(ess_lag) per step, summed: 0.3 + 0.6 + 0.9 crosses a budget of 1.5 at the third report, whose
+    publish starts the sum again; a batch of the trainer's own weights (ess 1) adds nothing."""
+    from coordinator.sync_policy import lag_used_after
+
+    trace = [1.0, math.exp(-0.3), math.exp(-0.6), math.exp(-0.9), 1.0, math.exp(-0.3)]
+    used, answers = 0.0, []
+    for step, ess in enumerate(trace):
+        decision = decide("lag_budget", step=step, stats=_report(ess, 1), lag_budget=1.5, lag_used=used)
+        answers.append(decision.publish)
+        used = lag_used_after("lag_budget", used, _report(ess, 1), decision.publish)
+    assert answers == [False, False, False, True, False, False]
+    assert used == pytest.approx(0.3)
+    fired = decide("lag_budget", step=3, stats=_report(math.exp(-0.9), 3), lag_budget=1.5, lag_used=0.9)
+    assert fired.reason == "lag_budget: lag since the last publish 1.8 >= 1.5"
+    # Another policy keeps no sum; a collapsed batch counts as a finite 27.6, not infinity.
+    assert lag_used_after("ess", 5.0, _report(0.1, 1), False) == 0.0
+    assert lag_used_after("lag_budget", 0.0, _report(0.0, 1), False) == pytest.approx(-math.log(1e-12))
+
+
+def test_lag_budget_waits_for_a_sync_in_progress_and_for_batches_sampled_after_the_publish():
+    from coordinator.sync_policy import lag_used_after
+
+    waiting = decide("lag_budget", step=4, stats=_report(0.1, 3), lag_budget=1.0, sync_in_progress=7)
+    assert not waiting.publish and "the sync of version 7 is still in progress" in waiting.reason
+    old = decide("lag_budget", step=4, stats=_report(0.1, 3), lag_budget=1.0, predates_publish=True)
+    assert not old.publish and "sampled before the last publish" in old.reason
+    # A batch in flight across the publish neither fires nor counts against the next budget.
+    assert lag_used_after("lag_budget", 0.0, _report(0.1, 3), False, predates_publish=True) == 0.0
+    assert decide("lag_budget", step=4, stats=_report(0.1, 3), predates_publish=True, manual_reasons=["x"]).publish
+
+
+def test_ess_predicted_extrapolates_the_lag_to_where_a_sync_lands():
+    from coordinator.sync_policy import predicted_ess
+
+    # -log ESS in proportion to the lag: lag 1 with 0.8 is lag 2 with 0.64 and lag 3 with 0.512.
+    assert predicted_ess(0.8, 1, 1) == pytest.approx(0.64)
+    assert predicted_ess(0.8, 1, 2) == pytest.approx(0.512)
+    assert predicted_ess(0.8, 2, 2) == pytest.approx(0.64)
+    assert predicted_ess(0.97, 0, 3) == 0.97  # lag 0: no drift to extrapolate
+    fires = decide("ess_predicted", step=2, stats=_report(0.65, 1), ess_threshold=0.5, horizon=1)
+    assert fires.publish and fires.reason == "ess_predicted: ess_lag 0.65 at lag 1 -> 0.4225 1 step(s) on, < 0.5"
+    assert not decide("ess", step=2, stats=_report(0.65, 1), ess_threshold=0.5).publish  # the plain trigger waits
+    assert not decide("ess_predicted", step=2, stats=_report(0.8, 2), ess_threshold=0.5, horizon=1).publish
+    assert decide("ess_predicted", step=2, stats=_report(0.8, 2), ess_threshold=0.5, horizon=5).publish  # 0.8 ** 3.5
+    for kwargs in ({"sync_in_progress": 3}, {"predates_publish": True}):
+        assert not decide("ess_predicted", step=2, stats=_report(0.1, 2), **kwargs).publish
+    with pytest.raises(PolicyInputError) as err:
+        decide("ess_predicted", step=2, stats={"ess_lag": 0.5})
+    assert err.value.field == "stats.staleness_steps_max"
+
+
+def test_the_ess_trigger_does_not_wait_on_batches_sampled_before_the_publish():
+    """What the service has always done (and the in-flight experiments measure): `ess` fires again on each."""
+    assert decide("ess", step=4, stats=_report(0.1, 3), predates_publish=True).publish
+
+
+def test_describe_the_new_policies():
+    assert describe("lag_budget", lag_budget=2.5) == "publish when the sum of -log ess_lag since the last publish reaches 2.5"
+    assert describe("ess_predicted", ess_threshold=0.5, horizon=2) == (
+        "publish when ess_lag predicted 2 step(s) on is < 0.5"
+    )

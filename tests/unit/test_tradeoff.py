@@ -29,7 +29,14 @@ def test_sync_variant_reads_every_label_runspec_writes():
             2.0,
         ),
     }
-    assert list(labels) == ["ess_lag<0.3", "every 8", "lag>=4", "ess_lag<0.5 or lag>=2"]
+    labels[RunSpec("dlc", "candidates", 0, "lag_budget", "float32", lag_budget=2.5).sync_label] = ("budget", 2.5)
+    labels[RunSpec("dlc", "candidates", 0, "ess_predicted", "float32", ess_threshold=0.5).sync_label] = (
+        "predicted",
+        0.5,
+    )
+    assert list(labels) == [
+        "ess_lag<0.3", "every 8", "lag>=4", "ess_lag<0.5 or lag>=2", "lag budget 2.5", "predicted ess<0.5"
+    ]  # fmt: skip
     for label, expected in labels.items():
         assert sync_variant(label) == expected
     assert sync_variant("never") is None and sync_variant("every step") is None
@@ -176,3 +183,24 @@ def test_pareto_front_keeps_the_rules_nothing_beats_on_both_axes():
     assert [v.label for v in pareto_front(found, "mean_ratio")] == ["ess_lag<0.3", "ess_lag<0.7", "every 2"]
     # worst: 0.3 (3, 2.0), 0.7 (6, 1.35), every 2 (12, 1.2), every 8 (3, 2.4), lag>=4 (4, 2.0)
     assert [v.label for v in pareto_front(found, "worst")] == ["ess_lag<0.3", "ess_lag<0.7", "every 2"]
+
+
+def test_paired_bootstrap_cancels_what_a_seed_does_to_every_rule():
+    """A seed effect shared by every rule (here: seed s adds 0.1 s to every rule's mean ratio) widens the
+    independent bootstrap but cancels in the paired one, which resamples the same seeds for all rules."""
+    from experiments.tradeoff import bootstrap_saving
+
+    rows = _summary()
+    for row in rows:
+        row["mean_kl_ratio"] += 0.1 * row["seed"]
+    found = variants(rows)
+    ess = next(v for v in found if v.label == "ess_lag<0.7")
+    assert ess.seed_ids == (0, 1, 2)
+    _, low, high, _ = bootstrap_saving(found, ess, "mean_ratio", draws=400)
+    assert high - low > 1.0
+    assert bootstrap_saving(found, ess, "mean_ratio", draws=400, paired=True) == (
+        pytest.approx(5.0), pytest.approx(5.0), pytest.approx(5.0), 0
+    )
+    # Paired needs two seeds shared by the rule and every fixed interval.
+    alone = dataclasses.replace(ess, seed_ids=(7, 8, 9))
+    assert bootstrap_saving(found, alone, "mean_ratio", draws=10, paired=True) is None
