@@ -37,6 +37,9 @@ __all__ = [
     "has_tradeoff",
     "lowest_passing",
     "main",
+    "nearest_fixed",
+    "nearest_fixed_markdown",
+    "paired_difference",
     "no_sync_point",
     "pareto_front",
     "pooled_summary",
@@ -91,6 +94,8 @@ class Variant:
     """Mean final reward."""
     seed_ids: tuple[int, ...] = ()
     """The seed of each of `runs` (a paired bootstrap resamples the seeds two rules share)."""
+    rewards: tuple[float, ...] = ()
+    """The final reward of each of `runs`."""
 
     def _column(self, index: int) -> list[float]:
         return [run[index] for run in self.runs]
@@ -155,6 +160,7 @@ def variants(summary: Sequence[dict[str, Any]], *, method: str = "dlc") -> list[
             ),
             reward=statistics.fmean(float(r["final_reward"]) for r in runs),
             seed_ids=tuple(int(r["seed"]) for r in sorted(runs, key=lambda r: r["seed"])),
+            rewards=tuple(float(r["final_reward"]) for r in sorted(runs, key=lambda r: r["seed"])),
         )
         for (family, param, label), runs in groups.items()
     ]
@@ -269,6 +275,65 @@ def bootstrap_saving(
     return quantile(0.5), quantile(0.05), quantile(0.95), draws - len(savings)
 
 
+def nearest_fixed(found: Sequence[Variant], variant: Variant) -> Variant | None:
+    """The fixed interval whose mean syncs are nearest to `variant`'s (the fewer syncs on a tie)."""
+    fixed = [v for v in found if v.family == "every_k"]
+    return min(fixed, key=lambda v: (abs(v.syncs[0] - variant.syncs[0]), v.syncs[0])) if fixed else None
+
+
+def paired_difference(
+    a: Variant, b: Variant, column: str, *, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED
+) -> tuple[float, float, float, int] | None:
+    """Mean over the seeds `a` and `b` share of a's figure minus b's (`column`: "syncs", "worst", "mean_ratio"
+    or "reward"), with the 5th and 95th percentiles of that mean over `draws` resamples of the shared seeds,
+    and their number; None with fewer than 2 shared seeds. Deterministic for a given seed."""
+    import random
+
+    shared = sorted(set(a.seed_ids) & set(b.seed_ids))
+    if len(shared) < 2:
+        return None
+
+    def value(v: Variant, s: int) -> float:
+        i = v.seed_ids.index(s)
+        return v.rewards[i] if column == "reward" else v.runs[i][{"syncs": 0, **_KEY_INDEX}[column]]
+
+    diffs = [value(a, s) - value(b, s) for s in shared]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choice(diffs) for _ in diffs) for _ in range(draws))
+    return statistics.fmean(diffs), means[round(0.05 * (draws - 1))], means[round(0.95 * (draws - 1))], len(shared)
+
+
+def nearest_fixed_markdown(found: Sequence[Variant]) -> str:
+    """Per triggered variant: its figures minus those of the fixed interval with the nearest mean syncs, paired
+    over their shared seeds (a comparison that does not interpolate the fixed-interval curve)."""
+    lines = [
+        "| triggered rule | nearest fixed interval | seeds | syncs | worst-step ratio [90%] | mean ratio [90%] | "
+        "final reward [90%] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(figures: tuple[float, float, float, int] | None, digits: int = 2) -> str:
+        if figures is None:
+            return "–"
+        mean, low, high, _ = figures
+        return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+
+    rows = 0
+    for v in found:
+        fixed = nearest_fixed(found, v)
+        if v.family not in TRIGGERED or fixed is None:
+            continue
+        syncs = paired_difference(v, fixed, "syncs")
+        if syncs is None:
+            continue
+        rows += 1
+        lines.append(
+            f"| {v.label} | {fixed.label} | {syncs[3]} | {syncs[0]:+.1f} | {cell(paired_difference(v, fixed, 'worst'))} "
+            f"| {cell(paired_difference(v, fixed, 'mean_ratio'))} | {cell(paired_difference(v, fixed, 'reward'))} |"
+        )
+    return "\n".join(lines) + "\n" if rows else ""
+
+
 def _pm(pair: tuple[float, float], digits: int = 2) -> str:
     return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
@@ -321,6 +386,11 @@ def tradeoff_section(summary: Sequence[dict[str, Any]], out_dir: Path) -> tuple[
         "and counted); paired: draws that resample the seeds the rule and every fixed interval share, the same "
         "seeds for all of them:\n\n"
         + equal_distance_markdown(found)
+        + "\nAgainst the fixed interval with the nearest mean syncs, without interpolating its curve: the rule's "
+        "figures minus the interval's, averaged over the seeds both ran (paired; in brackets the 5th and 95th "
+        f"percentiles over {BOOTSTRAP_DRAWS} resamples of those seeds; negative ratios = the rule is closer to "
+        "on-policy):\n\n"
+        + nearest_fixed_markdown(found)
         + "\n"
         + fronts
         + "\n\n"

@@ -204,3 +204,24 @@ def test_paired_bootstrap_cancels_what_a_seed_does_to_every_rule():
     # Paired needs two seeds shared by the rule and every fixed interval.
     alone = dataclasses.replace(ess, seed_ids=(7, 8, 9))
     assert bootstrap_saving(found, alone, "mean_ratio", draws=10, paired=True) is None
+
+
+def test_against_the_nearest_fixed_interval_paired_over_seeds():
+    """ESS 0.7 (6 syncs) is compared with every 8 (3 syncs, nearer than every 2's 12): per seed its worst step is
+    1.3 + 0.05 s against 2.4, its reward 0.6 against 0.3 (the _summary rows' final_reward: set here)."""
+    from experiments.tradeoff import nearest_fixed, nearest_fixed_markdown, paired_difference
+
+    rows = _summary()
+    for row in rows:
+        row["final_reward"] = {"every 8": 0.3, "ess_lag<0.7": 0.6}.get(row["sync_rule"], 0.5)
+    found = variants(rows)
+    ess = next(v for v in found if v.label == "ess_lag<0.7")
+    fixed = nearest_fixed(found, ess)
+    assert fixed.label == "every 8"
+    mean, low, high, seeds = paired_difference(ess, fixed, "worst", draws=200)
+    assert seeds == 3 and mean == pytest.approx(1.35 - 2.4) and low <= mean <= high
+    assert paired_difference(ess, fixed, "syncs", draws=10)[:3] == (3.0, 3.0, 3.0)
+    assert paired_difference(ess, fixed, "reward", draws=10)[0] == pytest.approx(0.3)
+    assert paired_difference(ess, dataclasses.replace(fixed, seed_ids=(5, 6, 7)), "worst") is None
+    table = nearest_fixed_markdown(found)
+    assert "| ess_lag<0.7 | every 8 | 3 | +3.0 | -1.05 [" in table and "| +0.30 [+0.30, +0.30] |" in table
