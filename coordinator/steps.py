@@ -24,7 +24,7 @@ from coordinator.state import StateWrite
 from coordinator.sync_policy import ManualTriggers, PolicyInputError, SyncDecision, decide
 from coordinator.syncs import SyncTracker
 from coordinator.views import StepAnswer, StepReportView
-from rlcommon.step_stats import ROLLOUT_VERSION_MIN
+from rlcommon.step_stats import ROLLOUT_VERSION_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,13 @@ def sync_decision(
 
 
 def predates_publish(stats: Mapping[str, float], published_version: int) -> bool:
-    """Whether the step's batch holds tokens sampled before `published_version` (the report's
-    `rollout_version_min`; a report without it is taken as sampled after)."""
-    oldest = stats.get(ROLLOUT_VERSION_MIN)
-    return oldest is not None and oldest == oldest and oldest < published_version
+    """Whether the step's batch was sampled entirely before `published_version` (the report's
+    `rollout_version_max` below it; a report without it is taken as sampled after). A batch holding any token
+    of the published version or later is not: the sync has reached the samplers, and what lag the batch still
+    shows (a replica that has not loaded it, a response spanning the update) is decided on, so one sick replica
+    cannot hold back every sync."""
+    newest = stats.get(ROLLOUT_VERSION_MAX)
+    return newest is not None and newest == newest and newest < published_version
 
 
 def proven_trained(ledger: BatchLedger, batch_id: int, *, step: int, now: float) -> list[BatchRecord]:

@@ -20,9 +20,11 @@
   in the service) has ESS ess_lag ** ((L + horizon) / L). The ESS trigger acts on a batch that is one or more
   steps old; this one acts on where the lag will be when the sync lands. Waits while a sync is in progress.
 
-`lag_budget` and `ess_predicted` also wait on a batch sampled before the last publish (`predates_publish`: with
-batches in flight, the ones sampled before a sync still show its lag after it, and the ESS trigger, which does
-not wait on them, fires again on each: a sync per in-flight batch); such a batch adds nothing to the budget.
+Every trigger that waits for a sync in progress (`ess`, `lag_budget`, `ess_predicted` and the cap) also waits on a
+batch sampled entirely before the last publish (`predates_publish`; the coordinator reads the batch's newest
+rollout version): with batches in flight, the ones sampled before a sync still show the lag that sync removes. Without this wait the ESS trigger fired again on each of them, a sync
+per batch in flight (issue #46: 11.5 of ESS 0.5's 14 syncs per run with 3 batches in flight, and farther from
+on-policy than a sync every 8 steps; docs/results/stress/FINDINGS.md). Such a batch adds nothing to the budget.
 - `always`: publish after every step (on-policy up to the in-flight batches).
 - `never`: never publish (a fully stale sampler), except on a manual trigger.
 
@@ -102,8 +104,8 @@ def decide(
     lag_budget, lag_used: policy `lag_budget`: the budget, and the lag accumulated over the steps reported since
         the last publish before this one (the sum of their `lag_spent`); this step's share is added here.
     horizon: policy `ess_predicted`: steps from this report to the first batch a sync started now reaches.
-    predates_publish: the batch was sampled (in part) before the last publish; `lag_budget` and `ess_predicted`
-        wait on it.
+    predates_publish: the batch was sampled entirely before the last publish; every trigger that waits for a
+        sync in progress also waits on it (module docstring).
     Raises PolicyInputError when policy `ess` gets no finite `ess_lag` in [0, 1], or the cap no finite
     `staleness_steps_max` >= 0.
     """
@@ -133,8 +135,6 @@ def decide(
             else f"every_k: next sync after step {(trained // every_k + 1) * every_k - 1}"
         )
         waits = False  # the schedule does not wait for a sync in progress
-    elif predates_publish and policy in ("lag_budget", "ess_predicted"):
-        return SyncDecision(False, f"{policy}: the batch was sampled before the last publish; waiting for one after it")
     elif policy == "lag_budget":
         used = lag_used + lag_spent(stats)
         fires = used >= lag_budget
@@ -164,6 +164,10 @@ def decide(
     if fires and waits and sync_in_progress is not None:
         return SyncDecision(
             False, f"{reason}, but the sync of version {sync_in_progress} is still in progress"
+        )
+    if fires and waits and predates_publish:
+        return SyncDecision(
+            False, f"{reason}, but the batch was sampled before the last publish (its lag is what that publish removes)"
         )
     return SyncDecision(fires, reason)
 

@@ -180,8 +180,9 @@ def hypotheses_markdown(steps: Sequence[Row], summary: Sequence[Row]) -> str:
     drivers = distance_drivers(steps, summary)
     lines = ["## Why a rule that reads the lag does or does not beat a fixed interval (issue #46)", ""]
     lines += [
-        "**Decision lag.** Syncs per run, and those decided on a batch sampled before the last publish (already "
-        "covered by that publish: with batches in flight the ESS trigger fires again on each of them):",
+        "**Decision lag.** Syncs per run, and those decided on a batch sampled before the last publish (with "
+        "batches in flight such a batch still shows the lag that publish removes, and the ESS trigger fires again "
+        "on it; a fixed interval shorter than the batches in flight also syncs before its last sync arrives):",
         "",
         "| sync rule | runs | syncs | on a batch sampled before the last publish |",
         "|---|---|---|---|",

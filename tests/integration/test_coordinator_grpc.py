@@ -440,14 +440,16 @@ def test_max_lag_policy_publishes_only_at_the_cap(start_server):
 def test_lag_budget_sums_over_reports_and_a_restart_and_skips_batches_sampled_before_the_publish(start_server):
     """Policy `lag_budget` over real gRPC: the sum of -log(ess_lag) since the last publish is kept in the
     coordinator's state (a restarted coordinator goes on from it), a publish starts it again, and a batch
-    sampled before the publish (rollout_version_min below the published version) neither fires nor counts."""
+    sampled entirely before the publish (rollout_version_max below the published version) neither fires nor
+    counts, while one holding any rollout of the new version does (a straggling replica holds back nothing)."""
     settings = dict(sync_policy="lag_budget", lag_budget=1.0, max_inflight_batches=4)
     first = start_server(**settings)
     stub = first.stub
     register(stub, "s0")
 
-    def report_ess(stub, step: int, ess: float, oldest_version: int = 0) -> pb.ReportStepResponse:
-        stats = {"ess_lag": ess, "staleness_steps_max": 1.0, "rollout_version_min": float(oldest_version)}
+    def report_ess(stub, step: int, ess: float, newest_version: int = 0) -> pb.ReportStepResponse:
+        stats = {"ess_lag": ess, "staleness_steps_max": 1.0, "rollout_version_min": 0.0,
+                 "rollout_version_max": float(newest_version)}
         return stub.ReportStep(pb.ReportStepRequest(step=step, batch_id=step, weight_version=0, stats=stats))
 
     assert not report_ess(stub, 0, math.exp(-0.4)).publish
@@ -461,9 +463,10 @@ def test_lag_budget_sums_over_reports_and_a_restart_and_skips_batches_sampled_be
     assert fired.publish and fired.reason == "lag_budget: lag since the last publish 1.1 >= 1"
     announce(stub, 1, step=1)
     stub.AckWeightVersion(pb.AckWeightVersionRequest(sampler_id="s0", weight_version=1))
-    in_flight = report_ess(stub, 2, 0.01, oldest_version=0)  # sampled from version 0, before the publish
+    in_flight = report_ess(stub, 2, 0.01, newest_version=0)  # sampled from version 0, before the publish
     assert not in_flight.publish and "sampled before the last publish" in in_flight.reason
-    after = report_ess(stub, 3, math.exp(-0.5), oldest_version=1)
+    # Rollouts of version 1 next to a straggler's of version 0 (a replica that has not loaded it): counted.
+    after = report_ess(stub, 3, math.exp(-0.5), newest_version=1)
     assert not after.publish and after.reason == "lag_budget: lag since the last publish 0.5 < 1"
 
 

@@ -289,9 +289,19 @@ def test_ess_predicted_extrapolates_the_lag_to_where_a_sync_lands():
     assert err.value.field == "stats.staleness_steps_max"
 
 
-def test_the_ess_trigger_does_not_wait_on_batches_sampled_before_the_publish():
-    """What the service has always done (and the in-flight experiments measure): `ess` fires again on each."""
-    assert decide("ess", step=4, stats=_report(0.1, 3), predates_publish=True).publish
+def test_the_ess_trigger_and_the_cap_wait_on_batches_sampled_before_the_last_publish():
+    """With batches in flight, the ones sampled before a publish still show the lag it removes: the ESS trigger
+    and the cap wait for a batch sampled after it (they fired again on each before: a sync storm); a fixed
+    interval and a manual trigger do not wait."""
+    waiting = decide("ess", step=4, stats=_report(0.1, 3), predates_publish=True)
+    assert waiting == SyncDecision(
+        False, "ess: ess_lag 0.1 < 0.5, but the batch was sampled before the last publish (its lag is what that "
+        "publish removes)"
+    )
+    assert not decide("max_lag", step=4, stats=_report(0.9, 9), max_lag_steps=2, predates_publish=True).publish
+    assert decide("every_k", step=3, stats={}, every_k=4, predates_publish=True).publish
+    assert decide("ess", step=4, stats=_report(0.1, 3), predates_publish=True, manual_reasons=["now"]).publish
+    assert decide("ess", step=4, stats=_report(0.1, 3), predates_publish=False).publish
 
 
 def test_describe_the_new_policies():
