@@ -105,3 +105,21 @@ def test_pooled_tradeoff_is_recomputed_from_its_sources(path):
     for other in thresholds[1:]:
         assert other.keys() == thresholds[0].keys()
         assert all(math.isclose(other[k], thresholds[0][k], rel_tol=REL) for k in other)
+
+
+HYPOTHESES = sorted(RESULTS.rglob("hypotheses.md"))
+
+
+@pytest.mark.parametrize("path", HYPOTHESES, ids=lambda p: p.parent.relative_to(RESULTS).as_posix())
+def test_sync_hypotheses_are_recomputed_from_their_sources(path):
+    """issue #46's measurements (python -m experiments.sync_analysis) come back from the CSVs they name."""
+    from experiments.sync_analysis import hypotheses_markdown
+
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("Measured over the steps.csv and summary.csv of "), first
+    repo = RESULTS.parents[1]
+    sources = [repo / p.strip(" `.") for p in first.removeprefix("Measured over the steps.csv and summary.csv of ").split(",")]
+    steps = [row for s in sources for row in read_csv(s / "steps.csv")]
+    summary = [row for s in sources for row in read_csv(s / "summary.csv")]
+    assert hypotheses_markdown(steps, summary) in path.read_text()
+    assert (path.parent / "hypotheses.png").is_file()
