@@ -19,16 +19,17 @@
   batch trained `horizon` steps later (the batches already in flight: 1 in lockstep, the planned-ahead batches
   in the service) has ESS ess_lag ** ((L + horizon) / L). The ESS trigger acts on a batch that is one or more
   steps old; this one acts on where the lag will be when the sync lands. Waits while a sync is in progress.
-
-Every trigger that waits for a sync in progress (`ess`, `lag_budget`, `ess_predicted` and the cap) also waits on a
-batch sampled entirely before the last publish (`predates_publish`; the coordinator reads the batch's newest
-rollout version): with batches in flight, the ones sampled before a sync still show the lag that sync removes. Without this wait the ESS trigger fired again on each of them, a sync
-per batch in flight (issue #46: 11.5 of ESS 0.5's 14 syncs per run with 3 batches in flight, and farther from
-on-policy than a sync every 8 steps; docs/results/stress/FINDINGS.md). Such a batch adds nothing to the budget.
 - `always`: publish after every step (on-policy up to the in-flight batches).
 - `never`: never publish (a fully stale sampler), except on a manual trigger.
 
-Staleness cap (`coordinator.max_lag_steps`, policies `ess` and `every_k`; `max_lag` is the cap alone; the config rejects it with
+Every trigger that waits for a sync in progress (`ess`, `lag_budget`, `ess_predicted` and the cap) also waits on
+a batch sampled entirely before the last publish (`predates_publish`; the coordinator reads the batch's newest
+rollout version): with batches in flight, the ones sampled before a sync still show the lag that sync removes.
+Without this wait the ESS trigger fired again on each of them, a sync per batch in flight (issue #46: 11.5 of
+ESS 0.5's 14 syncs per run with 3 batches in flight, and farther from on-policy than a sync every 8 steps;
+docs/results/stress/FINDINGS.md). Such a batch adds nothing to the budget.
+
+Staleness cap (`coordinator.max_lag_steps`, every policy but `always` and `never`; `max_lag` is the cap alone; the config rejects it with
 `always`, which publishes anyway, and `never`, which stays never): also publish when the batch's oldest
 rollout is at least that many trainer steps old (the report's `staleness_steps_max`), whatever the ESS or
 the step number say. Like the ESS trigger it waits while a sync is in progress: the batches sampled before
@@ -98,7 +99,7 @@ def decide(
     """Whether to publish after `step` (the index of the step just trained, from 0), and why. Pure: the same
     inputs always give the same answer.
 
-    max_lag_steps: the staleness cap of policies `ess` and `every_k` (None = no cap; module docstring); the
+    max_lag_steps: the staleness cap of every policy but `always` and `never` (None = no cap; module docstring); the
         only trigger of policy `max_lag` (required there).
     sync_in_progress: the version being synced, if a sync has not completed yet (`ess` and the cap wait).
     lag_budget, lag_used: policy `lag_budget`: the budget, and the lag accumulated over the steps reported since

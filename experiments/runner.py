@@ -2,7 +2,10 @@
 
 Per step t = 1..steps:
 1. batch t (B prompt groups of the fixed task stream, the same in every run) is sampled by the engine from
-   the version it serves now, with request seeds derived from the run's seed (`generate_rollouts`);
+   the version it serves now, with request seeds derived from the run's seed (`generate_rollouts`); with
+   `preset.inflight` = d > 1, batches t .. t + d - 1 are sampled now when not yet sampled, so batch t comes from
+   the version served after step t - d (d batches in flight, as in the service; on-policy references stay
+   lockstep);
 2. `TrainStep.train_on` trains on it with the run's correction (ell^v from the kept snapshot of that version);
 3. the coordinator's sync policy (`coordinator.sync_policy.decide`, the rule the service runs, given the
    step number and metrics the trainer service reports for this batch) decides whether the sampler gets
