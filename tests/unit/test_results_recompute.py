@@ -89,15 +89,20 @@ def test_the_tradeoff_table_is_recomputed_from_summary_csv(folder):
 POOLED = sorted(RESULTS.rglob("tradeoff.md"))
 
 
+def _named_sources(path, prefix: str) -> list:
+    """The results folders a generated file names on its first line, after `prefix` (as the CLIs write it)."""
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(prefix), first
+    repo = RESULTS.parents[1]
+    return [repo / part.strip(" `.") for part in first.removeprefix(prefix).split(",")]
+
+
 @pytest.mark.parametrize("path", POOLED, ids=lambda p: p.parent.relative_to(RESULTS).as_posix())
 def test_pooled_tradeoff_is_recomputed_from_its_sources(path):
     """A trade-off pooled over several folders (python -m experiments.tradeoff) comes back from their CSVs."""
     from experiments.tradeoff import pooled_summary
 
-    first = path.read_text().splitlines()[0]
-    assert first.startswith("Pooled from the summary.csv of "), first
-    repo = RESULTS.parents[1]
-    sources = [repo / part.strip(" `.") for part in first.removeprefix("Pooled from the summary.csv of ").split(",")]
+    sources = _named_sources(path, "Pooled from the summary.csv of ")
     assert all((s / "summary.csv").is_file() for s in sources), sources
     assert tradeoff_markdown(variants(pooled_summary(sources))) in path.read_text()
     # Pooled ratios share one yardstick: every source rebuilt the same on-policy references.
@@ -115,10 +120,7 @@ def test_sync_hypotheses_are_recomputed_from_their_sources(path):
     """issue #46's measurements (python -m experiments.sync_analysis) come back from the CSVs they name."""
     from experiments.sync_analysis import hypotheses_markdown
 
-    first = path.read_text().splitlines()[0]
-    assert first.startswith("Measured over the steps.csv and summary.csv of "), first
-    repo = RESULTS.parents[1]
-    sources = [repo / p.strip(" `.") for p in first.removeprefix("Measured over the steps.csv and summary.csv of ").split(",")]
+    sources = _named_sources(path, "Measured over the steps.csv and summary.csv of ")
     steps = [row for s in sources for row in read_csv(s / "steps.csv")]
     summary = [row for s in sources for row in read_csv(s / "summary.csv")]
     assert hypotheses_markdown(steps, summary) in path.read_text()
