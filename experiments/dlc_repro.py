@@ -462,6 +462,18 @@ def _readme(
         if preset.max_lag_caps and "max_lag" in preset.settings
         else ""
     )
+    if "candidates" in preset.settings:
+        caps += (
+            f"; `candidates` = dlc synced by policy `lag_budget` (the sum of -log ess_lag since the last publish "
+            f"reaches b, b in {preset.dlc_lag_budgets}: `lag budget b`) and `ess_predicted` (the ESS extrapolated "
+            f"{preset.inflight} step(s) on below t, t in {preset.dlc_predicted_thresholds}: `predicted ess<t`)"
+        )
+    if preset.inflight > 1:
+        caps += (
+            f". **{preset.inflight} batches in flight** (`inflight`): batch t is sampled after step "
+            f"t - {preset.inflight}, so a sync reaches the trainer {preset.inflight} steps late (the on-policy "
+            "references stay lockstep)"
+        )
     return f"""# DLC reproduction, preset `{preset.name}`
 
 {preset.description}
