@@ -249,8 +249,8 @@ def write_plot(steps: Sequence[Row], path: Path) -> Path | None:
     with_se = [r for r in rows if r.get("ess_lag_se") is not None]
     if with_se:
         axes[0].scatter([r["ess_lag"] for r in with_se], [r["ess_lag_se"] for r in with_se], s=4, alpha=0.3)
-        for level in sorted({p for r in with_se if (v := sync_variant(r["sync_rule"])) and v[0] == "ess"
-                             for p in [v[1]]}):
+        thresholds = {v[1] for r in with_se if (v := sync_variant(r["sync_rule"])) and v[0] == "ess"}
+        for level in sorted(thresholds):
             axes[0].axvline(level, color="grey", linestyle=":", linewidth=1)
     axes[0].set_xlabel("ess_lag of the batch")
     axes[0].set_ylabel("jackknife standard error (ess_lag_se)")

@@ -149,21 +149,20 @@ def variants(summary: Sequence[dict[str, Any]], *, method: str = "dlc") -> list[
         parsed = sync_variant(row["sync_rule"])
         if parsed is not None:
             groups.setdefault((*parsed, row["sync_rule"]), []).append(row)
-    out = [
-        Variant(
-            family=family,
-            param=param,
-            label=label,
-            runs=tuple(
-                (float(r["syncs"]), float(r["max_kl_ratio"]), float(r["mean_kl_ratio"]))
-                for r in sorted(runs, key=lambda r: r["seed"])
-            ),
-            reward=statistics.fmean(float(r["final_reward"]) for r in runs),
-            seed_ids=tuple(int(r["seed"]) for r in sorted(runs, key=lambda r: r["seed"])),
-            rewards=tuple(float(r["final_reward"]) for r in sorted(runs, key=lambda r: r["seed"])),
+    out = []
+    for (family, param, label), runs in groups.items():
+        runs = sorted(runs, key=lambda r: r["seed"])
+        out.append(
+            Variant(
+                family=family,
+                param=param,
+                label=label,
+                runs=tuple((float(r["syncs"]), float(r["max_kl_ratio"]), float(r["mean_kl_ratio"])) for r in runs),
+                reward=statistics.fmean(float(r["final_reward"]) for r in runs),
+                seed_ids=tuple(int(r["seed"]) for r in runs),
+                rewards=tuple(float(r["final_reward"]) for r in runs),
+            )
         )
-        for (family, param, label), runs in groups.items()
-    ]
     return sorted(out, key=lambda v: (FAMILIES.index(v.family), v.param))
 
 
@@ -268,11 +267,12 @@ def bootstrap_saving(
     if len(savings) < draws / 2:
         return None
     savings.sort()
+    return _quantile(savings, 0.5), _quantile(savings, 0.05), _quantile(savings, 0.95), draws - len(savings)
 
-    def quantile(q: float) -> float:
-        return savings[min(len(savings) - 1, max(0, round(q * (len(savings) - 1))))]
 
-    return quantile(0.5), quantile(0.05), quantile(0.95), draws - len(savings)
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The `q` quantile of the ascending `ordered` (the nearest rank)."""
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def nearest_fixed(found: Sequence[Variant], variant: Variant) -> Variant | None:
@@ -300,7 +300,7 @@ def paired_difference(
     diffs = [value(a, s) - value(b, s) for s in shared]
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choice(diffs) for _ in diffs) for _ in range(draws))
-    return statistics.fmean(diffs), means[round(0.05 * (draws - 1))], means[round(0.95 * (draws - 1))], len(shared)
+    return statistics.fmean(diffs), _quantile(means, 0.05), _quantile(means, 0.95), len(shared)
 
 
 def nearest_fixed_markdown(found: Sequence[Variant]) -> str:
@@ -418,8 +418,8 @@ def tradeoff_markdown(found: Sequence[Variant]) -> str:
 
 
 def equal_distance_markdown(found: Sequence[Variant]) -> str:
-    """Per triggered variant (ESS alone or with a cap, budget, predicted ESS): its syncs against the syncs a fixed interval needs for
-    the same worst-step and mean ratio."""
+    """Per triggered variant (ESS alone or with a cap, budget, predicted ESS): its syncs against the syncs a fixed
+    interval needs for the same worst-step and mean ratio."""
     lines = [
         "| triggered rule | syncs | worst-step ratio | fixed interval, same worst-step ratio | syncs saved "
         "[90% bootstrap] | paired | mean ratio | fixed interval, same mean ratio | syncs saved [90% bootstrap] | "
